@@ -1,0 +1,208 @@
+"""DDP: replicated parameters, gradients all-reduced in buckets during backward.
+
+How a step goes:
+
+1. Wrapping broadcasts parameters and buffers from data-parallel rank 0, then
+   lays the gradients out in flat buckets of at most ``bucket_cap_mb``, in
+   *reverse* registration order (the order backward produces them), one dtype
+   per bucket. Each parameter's ``.grad`` becomes a view into its bucket, so
+   the all-reduce needs no copy in or out.
+2. Backward: a post-accumulate-grad hook on each parameter moves the fresh
+   gradient into its bucket slot (a copy only when ``.grad`` was set to None;
+   afterwards autograd accumulates into the view in place) and counts the
+   bucket down. A full bucket is divided by dp and all-reduced asynchronously
+   while backward goes on. Buckets are launched strictly in bucket order, so
+   every rank issues the same collectives in the same order even when ranks
+   finish buckets in a different order.
+3. End of backward (an autograd callback): buckets not yet launched -- they
+   hold parameters this rank did not use -- are launched with zeros in those
+   slots; a small all-reduce of the per-parameter "used" flags tells which
+   parameters no rank used. Every handle is waited on before backward returns.
+   A parameter no rank used keeps ``grad=None`` (as PyTorch DDP with
+   ``find_unused_parameters=True``); one that only some ranks used gets the
+   average, the others contributing zero.
+
+``no_sync()``: hooks still accumulate into the buckets, nothing is launched;
+the first backward outside the block all-reduces the accumulated sum once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+import torch.nn as nn
+
+from .comm import AxisGroup, Comm
+from .mesh import Mesh
+
+
+@dataclass
+class Bucket:
+    """A flat gradient buffer; ``views[i]`` is ``params[i].grad``'s home."""
+
+    index: int
+    params: list[nn.Parameter]
+    flat: torch.Tensor
+    views: list[torch.Tensor] = field(default_factory=list)
+    ready: list[bool] = field(default_factory=list)
+    n_ready: int = 0
+    work: object = None
+
+
+class DataParallel:
+    """The DDP strategy behind ``ShardedModule(..., strategy="ddp")``."""
+
+    def __init__(self, module: nn.Module, mesh: Mesh, bucket_cap_mb: float = 25.0) -> None:
+        self.module = module
+        self.mesh = mesh
+        self.comm: Comm = mesh.comm
+        self.group: AxisGroup = mesh.group("dp")
+        self.bucket_cap_bytes = max(1, int(bucket_cap_mb * 2**20))
+
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self.comm.check_same("the DDP configuration (bucket_cap_mb and the module's parameters)",
+                             {"bucket_cap_mb": bucket_cap_mb, "parameters": _signature(named)}, self.group)
+        self._broadcast_from_rank0()
+        self.buckets = self._build_buckets([p for _, p in reversed(named)])
+        self._param_names = {p: n for n, p in named}
+        self._sync = True
+        self._next_launch = 0          # buckets launch in index order, whatever order they fill
+        self._callback_queued = False
+        n = sum(len(b.params) for b in self.buckets)
+        self._used = [0] * n           # per parameter slot: got a gradient since the last sync
+        self._hooks = []
+        slot = 0
+        for b in self.buckets:
+            for i, p in enumerate(b.params):
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(b, i, slot)))
+                slot += 1
+
+    # -- setup -------------------------------------------------------------
+
+    @torch.no_grad()
+    def _broadcast_from_rank0(self) -> None:
+        tensors = list(self.module.parameters()) + list(self.module.buffers())
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        for ts in by_dtype.values():  # one broadcast per dtype, not per tensor
+            flat = torch.cat([t.detach().reshape(-1) for t in ts])
+            self.comm.broadcast(flat, 0, self.group, tag="init")
+            for t, piece in zip(ts, flat.split([t.numel() for t in ts])):
+                t.copy_(piece.view_as(t))
+
+    def _build_buckets(self, params: list[nn.Parameter]) -> list[Bucket]:
+        groups: list[list[nn.Parameter]] = []
+        open_group: dict[tuple, tuple[int, int]] = {}  # (dtype, device) -> (index in groups, bytes)
+        for p in params:
+            key = (p.dtype, p.device)
+            nbytes = p.numel() * p.element_size()
+            if key in open_group and open_group[key][1] + nbytes <= self.bucket_cap_bytes:
+                gi, used = open_group[key]
+                groups[gi].append(p)
+                open_group[key] = (gi, used + nbytes)
+            else:
+                groups.append([p])
+                open_group[key] = (len(groups) - 1, nbytes)
+        buckets = []
+        for idx, ps in enumerate(groups):
+            flat = torch.zeros(sum(p.numel() for p in ps), dtype=ps[0].dtype, device=ps[0].device)
+            views = [v.view_as(p) for v, p in zip(flat.split([p.numel() for p in ps]), ps)]
+            buckets.append(Bucket(idx, ps, flat, views, [False] * len(ps)))
+        return buckets
+
+    # -- backward ----------------------------------------------------------
+
+    def _make_hook(self, bucket: Bucket, i: int, slot: int):
+        def hook(p: nn.Parameter) -> None:
+            self._absorb(p, bucket.views[i])
+            self._used[slot] = 1
+            if not self._sync:
+                return
+            if not self._callback_queued:
+                self._callback_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            if bucket.ready[i]:
+                raise RuntimeError(f"parameter {self._param_names[p]!r} received its gradient twice in one "
+                                   "backward; DDP all-reduces each gradient once per backward")
+            bucket.ready[i] = True
+            bucket.n_ready += 1
+            self._launch_ready()
+        return hook
+
+    @staticmethod
+    def _absorb(p: nn.Parameter, view: torch.Tensor) -> None:
+        """Make ``p.grad`` the bucket view, moving a freshly allocated gradient into it."""
+        g = p.grad
+        if g is not view and g.data_ptr() != view.data_ptr():
+            view.copy_(g)
+            p.grad = view
+
+    def _launch_ready(self) -> None:
+        while self._next_launch < len(self.buckets):
+            b = self.buckets[self._next_launch]
+            if b.n_ready < len(b.params):
+                return
+            self._launch(b)
+
+    def _launch(self, b: Bucket) -> None:
+        for i, p in enumerate(b.params):
+            if not b.ready[i] and p.grad is None:
+                b.views[i].zero_()  # unused here this step: contribute zero, leave .grad alone for now
+            elif not b.ready[i]:
+                self._absorb(p, b.views[i])  # accumulated under no_sync, or assigned by the user
+        b.flat.div_(self.group.size)  # sum of grad / dp = mean over data-parallel ranks
+        b.work = self.comm.all_reduce(b.flat, self.group, async_op=True, tag="grad")
+        self._next_launch += 1
+
+    def _finish_backward(self) -> None:
+        while self._next_launch < len(self.buckets):
+            self._launch(self.buckets[self._next_launch])
+        used_t = torch.tensor(self._used, dtype=torch.int32, device=self.buckets[0].flat.device)
+        self.comm.all_reduce(used_t, self.group, tag="unused_map")
+        used = used_t.tolist()
+        for b in self.buckets:
+            b.work.wait()
+        slot = 0
+        for b in self.buckets:
+            for i, p in enumerate(b.params):
+                if p.grad is None and used[slot] > 0:
+                    p.grad = b.views[i]  # used elsewhere: receives the average
+                slot += 1
+                b.ready[i] = False
+            b.n_ready, b.work = 0, None
+        self._used = [0] * len(self._used)
+        self._next_launch = 0
+        self._callback_queued = False
+
+    # -- public ------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally; the first backward after the block synchronises."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def build_optimizer(self, optimizer_cls: type[torch.optim.Optimizer], **kwargs) -> torch.optim.Optimizer:
+        return optimizer_cls(self.module.parameters(), **kwargs)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+
+def _signature(named: list[tuple[str, nn.Parameter]]) -> str:
+    """A short digest of names, shapes and dtypes: equal on every rank iff the models match."""
+    text = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in named)
+    return f"{len(named)} tensors, sha1 {hashlib.sha1(text.encode()).hexdigest()[:12]}"

@@ -1,0 +1,184 @@
+"""The process mesh: the rank grid and one process group per parallel axis.
+
+Layout. The world is a grid of shape ``(pp, dp, tp)``, tensor-parallel fastest::
+
+    rank = (pp_rank * dp + dp_rank) * tp + tp_rank
+
+so the ranks of one tensor-parallel group are adjacent and, with tp up to the
+GPUs per node, stay inside a node (TP is the chattiest axis). Expert
+parallelism splits the data-parallel axis: ``dp_rank = edp_rank * ep + ep_rank``,
+so an expert-parallel group is ``ep`` neighbouring data-parallel ranks and the
+``edp`` group joins the ranks that hold the same experts.
+
+Example, world 8, ``Mesh(dp=2, tp=2, pp=2)``::
+
+    grid[pp, dp, tp]      tp groups: {0,1} {2,3} {4,5} {6,7}
+    pp=0: [[0, 1],        dp groups: {0,2} {1,3} {4,6} {5,7}
+           [2, 3]]        pp groups: {0,4} {1,5} {2,6} {3,7}
+    pp=1: [[4, 5],
+           [6, 7]]
+
+A Mesh is an ordinary object: build as many as you like over one initialised
+world (tests do), pass it explicitly, call `destroy()` to free its groups.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .comm import AxisGroup, Comm
+
+AXES = ("dp", "tp", "pp", "ep", "edp")
+
+
+class Mesh:
+    """Rank grid of an initialised world; one `AxisGroup` per axis.
+
+    Args:
+        dp: data-parallel size; None means world_size // (tp * pp).
+        tp: tensor-parallel size.
+        pp: pipeline-parallel size.
+        ep: expert-parallel size; splits dp, so it must divide dp.
+        device: where this rank computes; default: cuda:LOCAL_RANK under nccl, else cpu.
+
+    Raises ValueError, on every rank and before any collective, when the sizes
+    do not fit the world.
+    """
+
+    def __init__(self, dp: int | None = None, tp: int = 1, pp: int = 1, ep: int = 1,
+                 device: torch.device | str | None = None) -> None:
+        if not dist.is_initialized():
+            raise ValueError("torch.distributed is not initialised: call minipar.init(...) "
+                             "(it initialises from the torchrun environment), or "
+                             "torch.distributed.init_process_group first")
+        world_size, rank = dist.get_world_size(), dist.get_rank()
+        dp, tp, pp, ep = _check_sizes(world_size, dp, tp, pp, ep)
+        self.dp, self.tp, self.pp, self.ep = dp, tp, pp, ep
+        self.world_size, self.rank = world_size, rank
+        self.grid = torch.arange(world_size).reshape(pp, dp, tp)
+        (pp_rank, dp_rank, tp_rank), = (self.grid == rank).nonzero().tolist()
+        self.pp_rank, self.dp_rank, self.tp_rank = pp_rank, dp_rank, tp_rank
+        self.edp_rank, self.ep_rank = divmod(dp_rank, ep)
+        self.device = torch.device(device) if device is not None else _default_device()
+        self.comm = Comm()
+
+        self._groups: dict[str, AxisGroup] = {}
+        self._owned_pgs: list = []
+        self.world = AxisGroup("world", tuple(range(world_size)), rank, dist.group.WORLD if world_size > 1 else None)
+        # The first collective: every rank must have asked for the same layout.
+        self.comm.check_same("Mesh(dp, tp, pp, ep)", (dp, tp, pp, ep), self.world)
+        for axis in AXES:
+            self._groups[axis] = self._build_axis(axis)
+
+    # -- groups ----------------------------------------------------------------
+
+    def _rank_lists(self, axis: str) -> list[list[int]]:
+        """Every group of ``axis`` as a list of global ranks, in a fixed order on all ranks."""
+        g = self.grid  # (pp, dp, tp)
+        if axis == "tp":
+            return g.reshape(-1, self.tp).tolist()
+        if axis == "dp":
+            return g.permute(0, 2, 1).reshape(-1, self.dp).tolist()
+        if axis == "pp":
+            return g.permute(1, 2, 0).reshape(-1, self.pp).tolist()
+        # Split dp into (edp, ep), ep fastest.
+        g5 = g.reshape(self.pp, self.dp // self.ep, self.ep, self.tp)
+        if axis == "ep":
+            return g5.permute(0, 1, 3, 2).reshape(-1, self.ep).tolist()
+        if axis == "edp":
+            return g5.permute(0, 2, 3, 1).reshape(-1, self.dp // self.ep).tolist()
+        raise ValueError(f"unknown mesh axis {axis!r}; the axes are {AXES}")
+
+    def _build_axis(self, axis: str) -> AxisGroup:
+        lists = self._rank_lists(axis)
+        mine = next(r for r in lists if self.rank in r)
+        size = len(mine)
+        if size == 1:
+            return AxisGroup(axis, tuple(mine), 0, None)
+        if size == self.world_size:
+            return AxisGroup(axis, tuple(mine), mine.index(self.rank), dist.group.WORLD)
+        pg_mine = None
+        for ranks in lists:  # every rank creates every group, in the same order
+            pg = dist.new_group(ranks)
+            if self.rank in ranks:
+                pg_mine = pg
+                self._owned_pgs.append(pg)
+        return AxisGroup(axis, tuple(mine), mine.index(self.rank), pg_mine)
+
+    def group(self, axis: str) -> AxisGroup:
+        """This rank's group along ``axis`` (one of dp, tp, pp, ep, edp)."""
+        try:
+            return self._groups[axis]
+        except KeyError:
+            raise ValueError(f"unknown mesh axis {axis!r}; the axes are {AXES}") from None
+
+    def size(self, axis: str) -> int:
+        return self.group(axis).size
+
+    def destroy(self) -> None:
+        """Free the process groups this mesh created (not the world)."""
+        for pg in self._owned_pgs:
+            dist.destroy_process_group(pg)
+        self._owned_pgs.clear()
+
+    def __repr__(self) -> str:
+        return (f"Mesh(dp={self.dp}, tp={self.tp}, pp={self.pp}, ep={self.ep}; rank {self.rank}: "
+                f"dp_rank={self.dp_rank}, tp_rank={self.tp_rank}, pp_rank={self.pp_rank}, "
+                f"ep_rank={self.ep_rank}, device={self.device})")
+
+
+def init(dp: int | None = None, tp: int = 1, pp: int = 1, ep: int = 1, backend: str | None = None) -> Mesh:
+    """Initialise torch.distributed if needed and return the `Mesh`.
+
+    Reads the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+    MASTER_PORT); without it, starts a world of one. The backend is nccl when
+    every local rank has its own GPU, else gloo; ``backend`` or the environment
+    variable MINIPAR_BACKEND overrides.
+    """
+    if not dist.is_initialized():
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        backend = backend or os.environ.get("MINIPAR_BACKEND")
+        if backend is None:
+            gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            backend = "nccl" if gpus >= local_world else "gloo"
+        if backend not in ("nccl", "gloo"):
+            raise ValueError(f"backend {backend!r} is not supported; use 'nccl' or 'gloo'")
+        if backend == "nccl":
+            torch.cuda.set_device(local_rank)
+        if "RANK" in os.environ:
+            dist.init_process_group(backend, timeout=timedelta(minutes=10))
+        else:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    return Mesh(dp=dp, tp=tp, pp=pp, ep=ep)
+
+
+def _default_device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _check_sizes(world_size: int, dp, tp, pp, ep) -> tuple[int, int, int, int]:
+    for name, v in (("tp", tp), ("pp", pp), ("ep", ep)) + ((("dp", dp),) if dp is not None else ()):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"mesh size {name}={v!r} must be a positive integer")
+    if dp is None:
+        if world_size % (tp * pp):
+            raise ValueError(f"tp * pp = {tp} * {pp} = {tp * pp} does not divide the world size {world_size}; "
+                             f"choose tp and pp whose product divides {world_size}")
+        dp = world_size // (tp * pp)
+    if dp * tp * pp != world_size:
+        raise ValueError(f"dp * tp * pp = {dp} * {tp} * {pp} = {dp * tp * pp} but the world size is "
+                         f"{world_size}; pass sizes whose product is {world_size} (or dp=None to infer it)")
+    if dp % ep:
+        raise ValueError(f"ep={ep} must divide dp={dp}: expert parallelism splits the data-parallel axis")
+    return dp, tp, pp, ep

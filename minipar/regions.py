@@ -1,0 +1,202 @@
+"""Autograd-aware collectives: each a forward/backward pair of conjugate operations.
+
+Tensor, sequence and expert parallelism are built from these. Each function's
+docstring names its math; the backward of each is the adjoint of its forward:
+
+=============================  ==========================  ==========================
+function                       forward                     backward
+=============================  ==========================  ==========================
+copy_to_region                 identity                    all-reduce (sum)
+reduce_from_region             all-reduce (sum)            identity
+scatter_to_region              keep own chunk along dim    all-gather along dim
+gather_from_region             all-gather along dim        keep own chunk along dim
+gather_sequence                all-gather along dim        reduce-scatter along dim
+reduce_scatter_sequence        reduce-scatter along dim    all-gather along dim
+all_to_all                     all-to-all(splits)          all-to-all(swapped splits)
+=============================  ==========================  ==========================
+
+Every collective goes through `Comm`, so it is counted with the rest.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .comm import AxisGroup, Comm
+
+
+def _all_gather_dim(x: torch.Tensor, comm: Comm, group: AxisGroup, dim: int, tag: str | None) -> torch.Tensor:
+    n = group.size
+    if n == 1:
+        return x
+    x0 = x.movedim(dim, 0).contiguous()
+    out = x0.new_empty((n * x0.shape[0],) + tuple(x0.shape[1:]))
+    comm.all_gather(out, x0, group, tag=tag)
+    return out.movedim(0, dim)
+
+
+def _reduce_scatter_dim(x: torch.Tensor, comm: Comm, group: AxisGroup, dim: int, tag: str | None) -> torch.Tensor:
+    n = group.size
+    if n == 1:
+        return x
+    if x.shape[dim] % n:
+        raise ValueError(f"reduce-scatter along dim {dim}: size {x.shape[dim]} is not divisible by the "
+                         f"{group.name} size {n}")
+    x0 = x.movedim(dim, 0).contiguous()
+    out = x0.new_empty((x0.shape[0] // n,) + tuple(x0.shape[1:]))
+    comm.reduce_scatter(out, x0, group, tag=tag)
+    return out.movedim(0, dim)
+
+
+def _own_chunk(x: torch.Tensor, group: AxisGroup, dim: int) -> torch.Tensor:
+    if group.size == 1:
+        return x
+    if x.shape[dim] % group.size:
+        raise ValueError(f"split along dim {dim}: size {x.shape[dim]} is not divisible by the "
+                         f"{group.name} size {group.size}")
+    return x.chunk(group.size, dim)[group.rank].contiguous()
+
+
+class _CopyToRegion(torch.autograd.Function):
+    """y = x;  dx = sum_ranks dy."""
+
+    @staticmethod
+    def forward(ctx, x, comm, group, tag):
+        ctx.comm, ctx.group, ctx.tag = comm, group, tag
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        dx = dy.contiguous().clone()
+        ctx.comm.all_reduce(dx, ctx.group, tag=ctx.tag)
+        return dx, None, None, None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    """y = sum_ranks x;  dx = dy."""
+
+    @staticmethod
+    def forward(ctx, x, comm, group, tag):
+        y = x.contiguous().clone()
+        comm.all_reduce(y, group, tag=tag)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        return dy, None, None, None
+
+
+class _ScatterToRegion(torch.autograd.Function):
+    """y = chunk_rank(x, dim);  dx = all_gather(dy, dim)."""
+
+    @staticmethod
+    def forward(ctx, x, comm, group, dim, tag):
+        ctx.comm, ctx.group, ctx.dim, ctx.tag = comm, group, dim, tag
+        return _own_chunk(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _all_gather_dim(dy, ctx.comm, ctx.group, ctx.dim, ctx.tag), None, None, None, None
+
+
+class _GatherFromRegion(torch.autograd.Function):
+    """y = all_gather(x, dim);  dx = chunk_rank(dy, dim)."""
+
+    @staticmethod
+    def forward(ctx, x, comm, group, dim, tag):
+        ctx.group, ctx.dim = group, dim
+        return _all_gather_dim(x, comm, group, dim, tag)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _own_chunk(dy, ctx.group, ctx.dim), None, None, None, None
+
+
+class _GatherSequence(torch.autograd.Function):
+    """y = all_gather(x, dim);  dx = reduce_scatter(dy, dim)."""
+
+    @staticmethod
+    def forward(ctx, x, comm, group, dim, tag):
+        ctx.comm, ctx.group, ctx.dim, ctx.tag = comm, group, dim, tag
+        return _all_gather_dim(x, comm, group, dim, tag)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _reduce_scatter_dim(dy, ctx.comm, ctx.group, ctx.dim, ctx.tag), None, None, None, None
+
+
+class _ReduceScatterSequence(torch.autograd.Function):
+    """y = reduce_scatter(x, dim);  dx = all_gather(dy, dim)."""
+
+    @staticmethod
+    def forward(ctx, x, comm, group, dim, tag):
+        ctx.comm, ctx.group, ctx.dim, ctx.tag = comm, group, dim, tag
+        return _reduce_scatter_dim(x, comm, group, dim, tag)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _all_gather_dim(dy, ctx.comm, ctx.group, ctx.dim, ctx.tag), None, None, None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    """y = A(x) with rows input_splits[j] sent to rank j;  dx = A^T(dy), the same exchange with splits swapped."""
+
+    @staticmethod
+    def forward(ctx, x, comm, group, output_splits, input_splits, tag):
+        ctx.comm, ctx.group, ctx.tag = comm, group, tag
+        ctx.output_splits, ctx.input_splits = output_splits, input_splits
+        rows = sum(output_splits) if output_splits is not None else x.shape[0]
+        y = x.new_empty((rows,) + tuple(x.shape[1:]))
+        comm.all_to_all(y, x.contiguous(), group, output_splits, input_splits, tag=tag)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        rows = sum(ctx.input_splits) if ctx.input_splits is not None else dy.shape[0]
+        dx = dy.new_empty((rows,) + tuple(dy.shape[1:]))
+        ctx.comm.all_to_all(dx, dy.contiguous(), ctx.group, ctx.input_splits, ctx.output_splits, tag=ctx.tag)
+        return dx, None, None, None, None, None
+
+
+def copy_to_region(x: torch.Tensor, comm: Comm, group: AxisGroup, tag: str | None = None) -> torch.Tensor:
+    """Enter a parallel region with a replicated input: identity forward, all-reduce backward."""
+    return _CopyToRegion.apply(x, comm, group, tag)
+
+
+def reduce_from_region(x: torch.Tensor, comm: Comm, group: AxisGroup, tag: str | None = None) -> torch.Tensor:
+    """Leave a parallel region by summing partial results: all-reduce forward, identity backward."""
+    return _ReduceFromRegion.apply(x, comm, group, tag)
+
+
+def scatter_to_region(x: torch.Tensor, comm: Comm, group: AxisGroup, dim: int = -1,
+                      tag: str | None = None) -> torch.Tensor:
+    """Keep this rank's chunk of a replicated tensor along ``dim``; all-gather backward."""
+    return _ScatterToRegion.apply(x, comm, group, dim, tag)
+
+
+def gather_from_region(x: torch.Tensor, comm: Comm, group: AxisGroup, dim: int = -1,
+                       tag: str | None = None) -> torch.Tensor:
+    """Concatenate every rank's chunk along ``dim``; keep own chunk of the gradient backward."""
+    return _GatherFromRegion.apply(x, comm, group, dim, tag)
+
+
+def gather_sequence(x: torch.Tensor, comm: Comm, group: AxisGroup, dim: int = 1,
+                    tag: str | None = None) -> torch.Tensor:
+    """Sequence parallel -> tensor parallel: all-gather along ``dim``, reduce-scatter backward."""
+    return _GatherSequence.apply(x, comm, group, dim, tag)
+
+
+def reduce_scatter_sequence(x: torch.Tensor, comm: Comm, group: AxisGroup, dim: int = 1,
+                            tag: str | None = None) -> torch.Tensor:
+    """Tensor parallel -> sequence parallel: reduce-scatter along ``dim``, all-gather backward."""
+    return _ReduceScatterSequence.apply(x, comm, group, dim, tag)
+
+
+def all_to_all(x: torch.Tensor, comm: Comm, group: AxisGroup, output_splits: Sequence[int] | None = None,
+               input_splits: Sequence[int] | None = None, tag: str | None = None) -> torch.Tensor:
+    """Exchange rows of ``x`` (dim 0) across the group; the backward sends gradients back the same way."""
+    out_s = None if output_splits is None else [int(s) for s in output_splits]
+    in_s = None if input_splits is None else [int(s) for s in input_splits]
+    return _AllToAll.apply(x, comm, group, out_s, in_s, tag)

@@ -1,0 +1,127 @@
+"""A small GPT in one file: the single-process reference every strategy is tested against.
+
+Token and position embeddings, pre-norm blocks (causal self-attention through
+``scaled_dot_product_attention``, GELU MLP), a final LayerNorm and an LM head
+that can share the token embedding's weight. Attention has separate q/k/v/o
+projections and reshapes with ``-1`` heads, so tensor parallelism can split the
+projections without touching this file.
+
+Initialisation is deterministic from ``GPTConfig.seed`` alone (its own
+generator, not the global RNG): every rank that builds ``GPT(config)`` holds
+the same weights.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 512
+    block_size: int = 64       # longest sequence
+    n_layer: int = 2
+    n_head: int = 2
+    n_embd: int = 64           # must be divisible by n_head
+    dropout: float = 0.0
+    bias: bool = True
+    tie_weights: bool = True   # LM head shares the token embedding's weight
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.head_dim = cfg.n_embd // cfg.n_head
+        self.q_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.k_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.v_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.o_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.dropout = cfg.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (batch, seq, n_embd) -> (batch, seq, n_embd)."""
+        b, t, _ = x.shape
+        # -1 heads: under tensor parallelism each rank holds n_head / tp of them.
+        q, k, v = (p(x).view(b, t, -1, self.head_dim).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
+        self.proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.mlp = MLP(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.ln_1(x)))
+        return x + self.drop(self.mlp(self.ln_2(x)))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        if cfg.tie_weights:
+            self.lm_head.weight = self.wte.weight
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """N(0, 0.02) weights, zero biases, unit norms; residual projections scaled by 1/sqrt(2 n_layer) (GPT-2)."""
+        gen = torch.Generator().manual_seed(self.config.seed)
+        resid_std = 0.02 / math.sqrt(2 * self.config.n_layer)
+        for name, p in self.named_parameters():  # named_parameters() yields a tied weight once
+            if name.endswith(".bias"):
+                p.zero_()
+            elif p.dim() == 1:  # LayerNorm weight
+                p.fill_(1.0)
+            else:
+                std = resid_std if name.endswith(("o_proj.weight", "mlp.proj.weight")) else 0.02
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """idx: (batch, seq) token ids -> logits (batch, seq, vocab_size)."""
+        t = idx.shape[1]
+        if t > self.config.block_size:
+            raise ValueError(f"sequence length {t} exceeds block_size={self.config.block_size}")
+        pos = torch.arange(t, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        for block in self.layers:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean token cross-entropy. logits: (batch, seq, vocab); targets: (batch, seq), -100 ignored."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
