@@ -77,25 +77,8 @@ class Mesh:
 
     # -- groups ----------------------------------------------------------------
 
-    def _rank_lists(self, axis: str) -> list[list[int]]:
-        """Every group of ``axis`` as a list of global ranks, in a fixed order on all ranks."""
-        g = self.grid  # (pp, dp, tp)
-        if axis == "tp":
-            return g.reshape(-1, self.tp).tolist()
-        if axis == "dp":
-            return g.permute(0, 2, 1).reshape(-1, self.dp).tolist()
-        if axis == "pp":
-            return g.permute(1, 2, 0).reshape(-1, self.pp).tolist()
-        # Split dp into (edp, ep), ep fastest.
-        g5 = g.reshape(self.pp, self.dp // self.ep, self.ep, self.tp)
-        if axis == "ep":
-            return g5.permute(0, 1, 3, 2).reshape(-1, self.ep).tolist()
-        if axis == "edp":
-            return g5.permute(0, 2, 3, 1).reshape(-1, self.dp // self.ep).tolist()
-        raise ValueError(f"unknown mesh axis {axis!r}; the axes are {AXES}")
-
     def _build_axis(self, axis: str) -> AxisGroup:
-        lists = self._rank_lists(axis)
+        lists = axis_rank_lists(axis, dp=self.dp, tp=self.tp, pp=self.pp, ep=self.ep)
         mine = next(r for r in lists if self.rank in r)
         size = len(mine)
         if size == 1:
@@ -159,6 +142,23 @@ def init(dp: int | None = None, tp: int = 1, pp: int = 1, ep: int = 1, backend: 
                 port = s.getsockname()[1]
             dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     return Mesh(dp=dp, tp=tp, pp=pp, ep=ep)
+
+
+def axis_rank_lists(axis: str, *, dp: int, tp: int = 1, pp: int = 1, ep: int = 1) -> list[list[int]]:
+    """Every group of ``axis`` as a list of global ranks, in one fixed order (pure: no processes needed)."""
+    g = torch.arange(pp * dp * tp).reshape(pp, dp, tp)
+    if axis == "tp":
+        return g.reshape(-1, tp).tolist()
+    if axis == "dp":
+        return g.permute(0, 2, 1).reshape(-1, dp).tolist()
+    if axis == "pp":
+        return g.permute(1, 2, 0).reshape(-1, pp).tolist()
+    g5 = g.reshape(pp, dp // ep, ep, tp)  # dp split into (edp, ep), ep fastest
+    if axis == "ep":
+        return g5.permute(0, 1, 3, 2).reshape(-1, ep).tolist()
+    if axis == "edp":
+        return g5.permute(0, 2, 3, 1).reshape(-1, dp // ep).tolist()
+    raise ValueError(f"unknown mesh axis {axis!r}; the axes are {AXES}")
 
 
 def _default_device() -> torch.device:
