@@ -11,6 +11,7 @@ failure seen anywhere can be replayed exactly.
 import os
 
 import pytest
+import torch
 from hypothesis import HealthCheck, settings
 
 from minipar.testing import PoolSet
@@ -21,6 +22,10 @@ settings.register_profile("ci", max_examples=6, derandomize=True, database=None,
 settings.register_profile("dev", max_examples=12, **_common)
 settings.register_profile("long", max_examples=300, **_common)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
+
+
+# The ranks run one thread each; the reference in this process does the same.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,63 @@
+"""The reference GPT: shapes, deterministic initialisation, tied weights, causality, it learns."""
+
+import pytest
+import torch
+
+from minipar.models import GPT, GPTConfig, gpt_loss
+
+
+def test_same_seed_same_weights_other_seed_other_weights():
+    cfg = GPTConfig(vocab_size=31, block_size=6, n_layer=2, n_head=2, n_embd=8)
+    torch.manual_seed(123)  # the global RNG must not matter
+    a = GPT(cfg).state_dict()
+    torch.manual_seed(456)
+    b = GPT(cfg).state_dict()
+    c = GPT(GPTConfig(**{**cfg.__dict__, "seed": 1})).state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(a["layers.0.attn.q_proj.weight"], c["layers.0.attn.q_proj.weight"])
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_tied_head_shares_the_embedding(tie):
+    m = GPT(GPTConfig(vocab_size=11, block_size=4, n_layer=1, n_head=1, n_embd=4, tie_weights=tie))
+    assert (m.lm_head.weight is m.wte.weight) == tie
+    n_tensors = len(list(m.parameters()))
+    assert n_tensors == len(dict(m.named_parameters(remove_duplicate=False))) - (1 if tie else 0)
+
+
+def test_shapes_and_causality():
+    cfg = GPTConfig(vocab_size=13, block_size=7, n_layer=2, n_head=3, n_embd=12)
+    m = GPT(cfg).eval()
+    x = torch.randint(0, 13, (2, 7))
+    logits = m(x)
+    assert logits.shape == (2, 7, 13)
+    y = x.clone()
+    y[:, 4:] = (y[:, 4:] + 1) % 13  # changing the future must not change the past
+    torch.testing.assert_close(m(y)[:, :4], logits[:, :4])
+    assert not torch.allclose(m(y)[:, 4:], logits[:, 4:])
+
+
+def test_too_long_sequence_and_bad_heads_raise():
+    with pytest.raises(ValueError, match="divisible by n_head"):
+        GPTConfig(n_embd=10, n_head=3)
+    with pytest.raises(ValueError, match="exceeds block_size=4"):
+        GPT(GPTConfig(vocab_size=5, block_size=4, n_layer=1, n_head=1, n_embd=4))(torch.zeros(1, 5, dtype=torch.long))
+
+
+def test_loss_ignores_minus_100_and_learns():
+    cfg = GPTConfig(vocab_size=17, block_size=8, n_layer=1, n_head=2, n_embd=16)
+    m = GPT(cfg)
+    x = torch.arange(9).repeat(4, 1) % 17
+    tgt = x[:, 1:].clone()
+    tgt[:, :3] = -100
+    full = torch.nn.functional.cross_entropy(m(x[:, :-1])[:, 3:].reshape(-1, 17), tgt[:, 3:].reshape(-1))
+    torch.testing.assert_close(gpt_loss(m(x[:, :-1]), tgt), full)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    first = None
+    for _ in range(30):
+        loss = gpt_loss(m(x[:, :-1]), x[:, 1:])
+        first = first or loss.item()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert loss.item() < 0.5 * first
