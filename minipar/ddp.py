@@ -45,6 +45,7 @@ class Bucket:
     """A flat gradient buffer; ``views[i]`` is ``params[i].grad``'s home."""
 
     index: int
+    first_slot: int  # params[i] is slot first_slot + i of the per-parameter "used" map
     params: list[nn.Parameter]
     flat: torch.Tensor
     views: list[torch.Tensor] = field(default_factory=list)
@@ -74,12 +75,8 @@ class DataParallel:
         self._callback_queued = False
         n = sum(len(b.params) for b in self.buckets)
         self._used = [0] * n           # per parameter slot: got a gradient since the last sync
-        self._hooks = []
-        slot = 0
-        for b in self.buckets:
-            for i, p in enumerate(b.params):
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(b, i, slot)))
-                slot += 1
+        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(b, i))
+                       for b in self.buckets for i, p in enumerate(b.params)]
 
     # -- setup -------------------------------------------------------------
 
@@ -108,19 +105,20 @@ class DataParallel:
             else:
                 groups.append([p])
                 open_group[key] = (len(groups) - 1, nbytes)
-        buckets = []
+        buckets, slot = [], 0
         for idx, ps in enumerate(groups):
             flat = torch.zeros(sum(p.numel() for p in ps), dtype=ps[0].dtype, device=ps[0].device)
             views = [v.view_as(p) for v, p in zip(flat.split([p.numel() for p in ps]), ps)]
-            buckets.append(Bucket(idx, ps, flat, views, [False] * len(ps)))
+            buckets.append(Bucket(idx, slot, ps, flat, views, [False] * len(ps)))
+            slot += len(ps)
         return buckets
 
     # -- backward ----------------------------------------------------------
 
-    def _make_hook(self, bucket: Bucket, i: int, slot: int):
+    def _make_hook(self, bucket: Bucket, i: int):
         def hook(p: nn.Parameter) -> None:
             self._absorb(p, bucket.views[i])
-            self._used[slot] = 1
+            self._used[bucket.first_slot + i] = 1
             if not self._sync:
                 return
             if not self._callback_queued:
@@ -163,17 +161,20 @@ class DataParallel:
         while self._next_launch < len(self.buckets):
             self._launch(self.buckets[self._next_launch])
         used_t = torch.tensor(self._used, dtype=torch.int32, device=self.buckets[0].flat.device)
-        self.comm.all_reduce(used_t, self.group, tag="unused_map")
-        used = used_t.tolist()
+        used_work = self.comm.all_reduce(used_t, self.group, async_op=True, tag="unused_map")
         for b in self.buckets:
             b.work.wait()
-        slot = 0
+        used_work.wait()
+        # Reading the map is a host sync on a GPU: only pay it when this rank has a parameter
+        # without a gradient, the only case where the map decides anything.
+        locally_unused = [(b, i) for b in self.buckets for i, p in enumerate(b.params) if p.grad is None]
+        if locally_unused:
+            used = used_t.tolist()
+            for b, i in locally_unused:
+                if used[b.first_slot + i] > 0:
+                    b.params[i].grad = b.views[i]  # used on another rank: receives the average
         for b in self.buckets:
-            for i, p in enumerate(b.params):
-                if p.grad is None and used[slot] > 0:
-                    p.grad = b.views[i]  # used elsewhere: receives the average
-                slot += 1
-                b.ready[i] = False
+            b.ready = [False] * len(b.params)
             b.n_ready, b.work = 0, None
         self._used = [0] * len(self._used)
         self._next_launch = 0
