@@ -7,11 +7,11 @@ it. Two byte figures are kept per call:
 * ``bytes``: the payload, i.e. the size of the *full* tensor the collective is
   about: the tensor for all-reduce and broadcast, the full (unsharded) input of a
   reduce-scatter, the full output of an all-gather, what this rank sends in an
-  all-to-all or a send.
+  all-to-all or a send; for a recv, the tensor received.
 * ``wire_bytes``: what this rank puts on the wire under the bandwidth-optimal
   (ring) algorithm for a group of n ranks: all-reduce 2(n-1)/n·B, reduce-scatter
   and all-gather (n-1)/n·B, broadcast B, all-to-all the bytes addressed to other
-  ranks, send B. This is the figure that makes "ZeRO-3 moves 1.5x DDP" true:
+  ranks, send B, recv 0. This is the figure that makes "ZeRO-3 moves 1.5x DDP" true:
   2 all-gathers + 1 reduce-scatter = 3(n-1)/n·Φ against 2(n-1)/n·Φ.
 
 A group of size 1 issues nothing (and records nothing): the result is already
@@ -65,7 +65,7 @@ class CommRecord(NamedTuple):
     time_s: float
 
 
-@dataclass
+@dataclass(eq=False)  # identity, not content: nested blocks must close the right one
 class CommStats:
     """Collectives recorded while a `Comm.counting()` block was open."""
 

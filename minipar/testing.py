@@ -120,7 +120,7 @@ class RankPool:
                 q.put(None)
             except Exception:
                 pass
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 2
         for p in self._procs:
             p.join(timeout=max(0.0, deadline - time.monotonic()))
         self._kill()

@@ -303,14 +303,8 @@ def _rank_nested_counting(ctx):
         mesh.destroy()
 
 
-# KNOWN BUG in minipar/comm.py -- this test FAILS until it is fixed (deliberately not skipped).
-# `Comm.counting()` closes its block with `self._open_stats.remove(stats)`. `CommStats` is a
-# dataclass, so `remove` matches by *equality* (equal `records` lists), not identity. When an
-# inner block is opened before the outer block has recorded anything, the two stats are equal
-# when the inner block exits, so the *outer* one is removed and the inner one stays open: later
-# collectives of the outer block are recorded in the (closed) inner stats and not in the outer
-# ones, and the outer block's exit raises "ValueError: list.remove(x): x not in list".
-# Fix: remove by identity (e.g. `@dataclass(eq=False)` on CommStats, or delete the entry `is stats`).
+# Regression: `counting()` once closed its block with `list.remove`, which matches by equality; two
+# nested blocks with equal (e.g. empty) records then closed the wrong one.
 def test_nested_counting_blocks_both_record(pools):
     for result in pools.run(2, _rank_nested_counting):
         assert result == {
