@@ -10,7 +10,8 @@ Public API:
 from . import regions
 from .comm import AxisGroup, Comm, CommStats
 from .mesh import Mesh, init
+from .precision import MixedPrecision
 from .sharded import STRATEGIES, ShardedModule
 
-__all__ = ["init", "Mesh", "ShardedModule", "STRATEGIES", "Comm", "CommStats", "AxisGroup", "regions"]
+__all__ = ["init", "Mesh", "ShardedModule", "STRATEGIES", "MixedPrecision", "Comm", "CommStats", "AxisGroup", "regions"]
 __version__ = "0.1.0"

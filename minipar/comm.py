@@ -29,6 +29,10 @@ from typing import Any, Iterator, NamedTuple, Sequence
 import torch
 import torch.distributed as dist
 
+# torch 2.13 renamed the flat-tensor collectives; 2.11 has only the old names.
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 _REDUCE_OPS = {
     "sum": dist.ReduceOp.SUM,
     "max": dist.ReduceOp.MAX,
@@ -167,7 +171,7 @@ class Comm:
             return _Done() if async_op else None
         b = _nbytes(input)
         self._record("reduce_scatter", group, tag, b, (n - 1) / n * b, input.dtype)
-        return dist.reduce_scatter_tensor(output, input, op=_REDUCE_OPS[op], group=group.pg, async_op=async_op)
+        return _reduce_scatter_flat(output, input, op=_REDUCE_OPS[op], group=group.pg, async_op=async_op)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, group: AxisGroup,
                    async_op: bool = False, tag: str | None = None):
@@ -184,7 +188,7 @@ class Comm:
             return _Done() if async_op else None
         b = _nbytes(output)
         self._record("all_gather", group, tag, b, (n - 1) / n * b, input.dtype)
-        return dist.all_gather_into_tensor(output, input, group=group.pg, async_op=async_op)
+        return _all_gather_flat(output, input, group=group.pg, async_op=async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int, group: AxisGroup,
                   async_op: bool = False, tag: str | None = None):

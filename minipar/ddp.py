@@ -66,8 +66,8 @@ class DataParallel:
 
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.comm.check_same("the DDP configuration (bucket_cap_mb and the module's parameters)",
-                             {"bucket_cap_mb": bucket_cap_mb, "parameters": _signature(named)}, self.group)
-        self._broadcast_from_rank0()
+                             {"bucket_cap_mb": bucket_cap_mb, "parameters": signature(named)}, self.group)
+        broadcast_from_rank0(module, self.comm, self.group)
         self.buckets = self._build_buckets([p for _, p in reversed(named)])
         self._param_names = {p: n for n, p in named}
         self._sync = True
@@ -80,31 +80,8 @@ class DataParallel:
 
     # -- setup -------------------------------------------------------------
 
-    @torch.no_grad()
-    def _broadcast_from_rank0(self) -> None:
-        tensors = list(self.module.parameters()) + list(self.module.buffers())
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for t in tensors:
-            by_dtype.setdefault(t.dtype, []).append(t)
-        for ts in by_dtype.values():  # one broadcast per dtype, not per tensor
-            flat = torch.cat([t.detach().reshape(-1) for t in ts])
-            self.comm.broadcast(flat, 0, self.group, tag="init")
-            for t, piece in zip(ts, flat.split([t.numel() for t in ts])):
-                t.copy_(piece.view_as(t))
-
     def _build_buckets(self, params: list[nn.Parameter]) -> list[Bucket]:
-        groups: list[list[nn.Parameter]] = []
-        open_group: dict[tuple, tuple[int, int]] = {}  # (dtype, device) -> (index in groups, bytes)
-        for p in params:
-            key = (p.dtype, p.device)
-            nbytes = p.numel() * p.element_size()
-            if key in open_group and open_group[key][1] + nbytes <= self.bucket_cap_bytes:
-                gi, used = open_group[key]
-                groups[gi].append(p)
-                open_group[key] = (gi, used + nbytes)
-            else:
-                groups.append([p])
-                open_group[key] = (len(groups) - 1, nbytes)
+        groups = bucket_params(params, self.bucket_cap_bytes)
         buckets, slot = [], 0
         for idx, ps in enumerate(groups):
             flat = torch.zeros(sum(p.numel() for p in ps), dtype=ps[0].dtype, device=ps[0].device)
@@ -191,19 +168,46 @@ class DataParallel:
         finally:
             self._sync = previous
 
-    def build_optimizer(self, optimizer_cls: type[torch.optim.Optimizer], **kwargs) -> torch.optim.Optimizer:
-        return optimizer_cls(self.module.parameters(), **kwargs)
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
-
     def remove_hooks(self) -> None:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
 
 
-def _signature(named: list[tuple[str, nn.Parameter]]) -> str:
+@torch.no_grad()
+def broadcast_from_rank0(module: nn.Module, comm: Comm, group: AxisGroup) -> None:
+    """Make every rank's parameters and buffers equal to the group's first rank's, one broadcast per dtype."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in list(module.parameters()) + list(module.buffers()):
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for ts in by_dtype.values():
+        flat = torch.cat([t.detach().reshape(-1) for t in ts])
+        comm.broadcast(flat, 0, group, tag="init")
+        for t, piece in zip(ts, flat.split([t.numel() for t in ts])):
+            t.copy_(piece.view_as(t))
+
+
+def bucket_params(params: list[nn.Parameter], cap_bytes: int) -> list[list[nn.Parameter]]:
+    """Cut ``params`` (in the order given) into buckets of at most ``cap_bytes``, one dtype and device each.
+
+    A parameter larger than the cap gets a bucket of its own.
+    """
+    groups: list[list[nn.Parameter]] = []
+    open_group: dict[tuple, tuple[int, int]] = {}  # (dtype, device) -> (index in groups, bytes)
+    for p in params:
+        key = (p.dtype, p.device)
+        nbytes = p.numel() * p.element_size()
+        if key in open_group and open_group[key][1] + nbytes <= cap_bytes:
+            gi, used = open_group[key]
+            groups[gi].append(p)
+            open_group[key] = (gi, used + nbytes)
+        else:
+            groups.append([p])
+            open_group[key] = (len(groups) - 1, nbytes)
+    return groups
+
+
+def signature(named: list[tuple[str, nn.Parameter]]) -> str:
     """A short digest of names, shapes and dtypes: equal on every rank iff the models match."""
     text = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in named)
     return f"{len(named)} tensors, sha1 {hashlib.sha1(text.encode()).hexdigest()[:12]}"

@@ -22,8 +22,11 @@ import torch.nn as nn
 
 from .ddp import DataParallel
 from .mesh import Mesh
+from .precision import FP32, MixedPrecision
+from .sharded_optim import ShardedOptimizer, ShardedState
+from .zero import Zero1, Zero2
 
-STRATEGIES = ("ddp",)
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")  # "fsdp" is another name for "zero3"
 
 
 class ShardedModule(nn.Module):
@@ -41,7 +44,8 @@ class ShardedModule(nn.Module):
     """
 
     def __init__(self, module: nn.Module, *, mesh: Mesh | None = None, strategy: str = "ddp",
-                 bucket_cap_mb: float = 25.0) -> None:
+                 bucket_cap_mb: float = 25.0, mixed_precision: MixedPrecision | None = None,
+                 cpu_offload: bool = False, wrap_policy=None, reshard_after_forward: bool = True) -> None:
         super().__init__()
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
@@ -51,6 +55,13 @@ class ShardedModule(nn.Module):
         if not any(True for _ in module.parameters()):
             raise ValueError(f"{type(module).__name__} has no parameters: there is nothing to train or "
                              "synchronise; wrap the module that owns the parameters")
+        if strategy == "ddp" and (mixed_precision is not None or cpu_offload or wrap_policy is not None):
+            raise ValueError("mixed_precision, cpu_offload and wrap_policy apply to the sharded strategies; "
+                             "use strategy='zero1', 'zero2' or 'zero3' for them")
+        if strategy in ("zero1", "zero2") and wrap_policy is not None:
+            raise ValueError("wrap_policy chooses zero3 units; zero1/zero2 do not use it")
+        if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
+            raise ValueError("mixed_precision must be a minipar.MixedPrecision(param_dtype=..., reduce_dtype=...)")
         if mesh is None:
             mesh = Mesh()
         if mesh.tp != 1 or mesh.pp != 1:
@@ -59,7 +70,16 @@ class ShardedModule(nn.Module):
         self.mesh = mesh
         self.strategy_name = strategy
         self.module = module.to(mesh.device)
-        self.strategy = DataParallel(self.module, mesh, bucket_cap_mb=bucket_cap_mb)
+        policy = mixed_precision or FP32
+        if strategy == "ddp":
+            self.strategy = DataParallel(self.module, mesh, bucket_cap_mb=bucket_cap_mb)
+        elif strategy == "zero1":
+            self.strategy = Zero1(self.module, mesh, policy, cpu_offload)
+        elif strategy == "zero2":
+            self.strategy = Zero2(self.module, mesh, policy, cpu_offload, bucket_cap_mb)
+        else:
+            from .fsdp import Zero3
+            self.strategy = Zero3(self.module, mesh, policy, cpu_offload, wrap_policy, reshard_after_forward)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
@@ -76,16 +96,41 @@ class ShardedModule(nn.Module):
         The optimizer step is left to the caller.
         """
         loss = loss_fn(self(inputs), targets)
-        loss.backward()
+        scaler = getattr(self.strategy, "scaler", None)
+        (loss * scaler.scale if scaler is not None and scaler.enabled else loss).backward()
         global_loss = loss.detach().float().reshape(1).clone()
         group = self.mesh.group("dp")
         self.mesh.comm.all_reduce(global_loss, group, tag="loss")
         return global_loss.div_(group.size)[0]
 
-    def build_optimizer(self, optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any) -> torch.optim.Optimizer:
-        """The optimizer to step: ``optimizer_cls`` over the parameters this rank updates."""
-        return self.strategy.build_optimizer(optimizer_cls, **kwargs)
+    def build_optimizer(self, optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any):
+        """The optimizer to step: ``optimizer_cls`` over the parameters this rank updates.
 
+        Under DDP a plain ``optimizer_cls`` over the module's parameters; under
+        ZeRO a `ShardedOptimizer` over this rank's fp32 master shards.
+        """
+        if isinstance(self.strategy, ShardedState):
+            return ShardedOptimizer(self.strategy, optimizer_cls, **kwargs)
+        return optimizer_cls(self.module.parameters(), **kwargs)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip gradients by their global norm (over every shard, padding excluded); returns the norm."""
+        if isinstance(self.strategy, ShardedState):
+            return self.strategy.clip_grad_norm_(max_norm, norm_type)
+        return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm, norm_type)
+
+    def memory_stats(self) -> dict[str, int]:
+        """{"params", "grads", "optimizer"}: bytes of persistent state this rank holds (no transient buffers)."""
+        if isinstance(self.strategy, ShardedState):
+            return self.strategy.memory_stats()
+        ps = list(self.module.parameters())
+        return {"params": sum(p.numel() * p.element_size() for p in ps),
+                "grads": sum(b.flat.numel() * b.flat.element_size() for b in self.strategy.buckets),
+                "optimizer": 0}
+
+    @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The wrapped module's state dict with full tensors, on every rank."""
-        return self.strategy.full_state_dict()
+        """The wrapped module's state dict with full tensors (fp32 masters under ZeRO), on every rank."""
+        full = self.strategy.full_params() if isinstance(self.strategy, ShardedState) else {}
+        return {k: (full[id(v)] if id(v) in full else v.detach()).clone()
+                for k, v in self.module.state_dict(keep_vars=True).items()}

@@ -1,0 +1,333 @@
+"""ZeRO-3 / FSDP: parameters, gradients and optimizer state all sharded, per unit.
+
+The model is cut into *units* by a wrap policy (by default each entry of an
+``nn.ModuleList``: the transformer blocks), plus the root unit for what is
+left. Each unit's parameters are one flat group; a rank keeps only its shard.
+A unit is in one of three states, and these short methods move it:
+
+    SHARDED --unshard()--> (GATHERING, async) --> FULL --reshard()--> SHARDED
+
+* ``_pre_forward``: unshard this unit (or wait for its prefetch) and start
+  gathering the next unit in forward order.
+* ``_post_forward``: reshard (``reshard_after_forward``, not for the root,
+  whose parameters backward needs at once) and hook the outputs so that the
+  unit's backward starts with ``_pre_backward``.
+* ``_pre_backward``: unshard again, prefetch the unit whose backward comes next.
+* ``_post_backward`` (when every parameter of the unit has its gradient):
+  reduce-scatter the unit's gradients into this rank's gradient shard and
+  reshard; the end-of-backward callback launches what is left and waits.
+
+"Full" parameters live in one flat buffer per unit whose storage is resized
+to zero when resharded: the parameters stay views of it, so autograd's saved
+tensors see the gathered values again after the next unshard. Per step, with
+``reshard_after_forward``, each non-root unit is all-gathered twice and every
+gradient reduce-scattered once: 1.5x the bytes of DDP's all-reduce.
+
+A parameter shared between units (tied weights) is placed in the root unit,
+which stays gathered through forward and backward, so every user sees it.
+Like ZeRO-1/2, a parameter without a gradient gets a zero gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_flatten
+
+from .ddp import broadcast_from_rank0, signature
+from .flat import FlatLayout
+from .mesh import Mesh
+from .precision import MixedPrecision
+from .sharded_optim import ShardedState, ShardGroup, make_master
+
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+
+
+class UnitState(Enum):
+    SHARDED = "sharded"
+    GATHERING = "gathering"
+    FULL = "full"
+
+
+@dataclass
+class Unit:
+    name: str
+    module: nn.Module
+    group: ShardGroup
+    full: torch.Tensor                      # (padded,) compute dtype; storage empty while SHARDED
+    state: UnitState = UnitState.SHARDED
+    work: Any = None                        # the all-gather in flight while GATHERING
+    ready: list[bool] = field(default_factory=list)
+    staging: torch.Tensor | None = None     # full flat gradient, only until reduce-scattered
+    rs_out: torch.Tensor | None = None
+    rs_work: Any = None
+    backward_started: bool = False
+    is_root: bool = False
+
+
+class Zero3(ShardedState):
+    """ZeRO-3: every piece of model state sharded; full parameters exist only around their use."""
+
+    stage = 3
+
+    def __init__(self, module: nn.Module, mesh: Mesh, policy: MixedPrecision, offload: bool,
+                 wrap_policy: Any = None, reshard_after_forward: bool = True) -> None:
+        super().__init__(mesh.comm, mesh.group("dp"), mesh.world, policy, offload)
+        unit_modules = select_units(module, wrap_policy)
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self.comm.check_same("the zero3 configuration", {
+            "policy": repr(policy), "offload": offload, "reshard_after_forward": reshard_after_forward,
+            "units": [n for n, _ in unit_modules], "parameters": signature(named)}, self.group)
+        broadcast_from_rank0(module, self.comm, self.group)
+        self.reshard_after_forward = reshard_after_forward
+        self.units: list[Unit] = []
+        owned = assign_params(module, unit_modules)
+        for (name, m), params in zip(unit_modules + [("<root>", module)], owned):
+            if params:
+                self.units.append(self._make_unit(name, m, params, mesh.device, is_root=m is module))
+        self.groups = [u.group for u in self.units]
+        # Reduce-scatters launch in this fixed order on every rank (backward runs units in reverse).
+        self._rs_order = [u for u in reversed(self.units) if not u.is_root] + [u for u in self.units if u.is_root]
+        self._next_rs = 0
+        self._fwd_order: list[Unit] = []
+        self._last_fwd_order: list[Unit] = []
+        self._callback_queued = False
+        self._hooks = []
+        for u in self.units:
+            if not u.is_root:
+                self._hooks.append(u.module.register_forward_pre_hook(self._forward_pre_hook(u)))
+                self._hooks.append(u.module.register_forward_hook(self._forward_hook(u)))
+            for i, p in enumerate(u.group.layout.params):
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook(u, i)))
+        self._hooks.append(module.register_forward_pre_hook(self._root_pre_forward))
+        self._hooks.append(module.register_forward_hook(self._root_post_forward))
+        self._root = next((u for u in self.units if u.is_root), None)
+
+    def _make_unit(self, name: str, m: nn.Module, params: list[nn.Parameter], device, is_root: bool) -> Unit:
+        lay = FlatLayout.of(params, self.group.size, self.group.rank)
+        full_fp32 = lay.flatten([p.detach() for p in params], torch.float32, device)
+        shard = full_fp32[lay.lo: lay.lo + lay.shard_size].to(self.policy.param_dtype, copy=True)
+        master = make_master(shard, full_fp32[lay.lo: lay.lo + lay.real_len], self.offload)
+        grad_shard = torch.zeros(lay.shard_size, dtype=self.policy.grad_dtype, device=device)
+        full = torch.empty(lay.padded, dtype=self.policy.param_dtype, device=device)
+        for p, view in zip(params, lay.views(full)):
+            p.data = view
+        full.untyped_storage().resize_(0)
+        return Unit(name, m, ShardGroup(lay, shard, master, grad_shard), full, ready=[False] * len(params),
+                    is_root=is_root)
+
+    # -- the unit state machine --------------------------------------------------
+
+    @torch.no_grad()
+    def unshard(self, u: Unit, async_op: bool = False) -> None:
+        if u.state is UnitState.GATHERING and not async_op:
+            u.work.wait()
+            u.state, u.work = UnitState.FULL, None
+        if u.state is not UnitState.SHARDED:
+            return
+        u.full.untyped_storage().resize_(u.full.numel() * u.full.element_size())
+        work = self.comm.all_gather(u.full, u.group.shard, self.group, async_op=True, tag="param")
+        if async_op:
+            u.state, u.work = UnitState.GATHERING, work
+        else:
+            work.wait()
+            u.state = UnitState.FULL
+
+    def reshard(self, u: Unit) -> None:
+        if u.state is UnitState.GATHERING:
+            u.work.wait()
+            u.work = None
+        u.full.untyped_storage().resize_(0)
+        u.state = UnitState.SHARDED
+
+    # -- forward -------------------------------------------------------------------
+
+    def _root_pre_forward(self, module, args) -> None:
+        self._last_fwd_order, self._fwd_order = self._fwd_order or self._last_fwd_order, []
+        if self._root is not None:
+            self.unshard(self._root)
+        if self._last_fwd_order:
+            self.unshard(self._last_fwd_order[0], async_op=True)
+
+    def _root_post_forward(self, module, args, output) -> None:
+        if self._root is not None:
+            self._hook_outputs(self._root, output)
+
+    def _forward_pre_hook(self, u: Unit) -> Callable:
+        def pre_forward(module, args) -> None:
+            self.unshard(u)
+            self._fwd_order.append(u)
+            nxt = _following(self._last_fwd_order, u)
+            if nxt is not None:
+                self.unshard(nxt, async_op=True)  # prefetch: overlaps the next unit's gather with this compute
+        return pre_forward
+
+    def _forward_hook(self, u: Unit) -> Callable:
+        def post_forward(module, args, output) -> None:
+            if self.reshard_after_forward:
+                self.reshard(u)
+            self._hook_outputs(u, output)
+        return post_forward
+
+    def _hook_outputs(self, u: Unit, output) -> None:
+        if not torch.is_grad_enabled():
+            return
+        for t in tree_flatten(output)[0]:
+            if torch.is_tensor(t) and t.requires_grad:
+                t.register_hook(lambda grad, u=u: self._pre_backward(u) or grad)
+
+    # -- backward ------------------------------------------------------------------
+
+    def _pre_backward(self, u: Unit) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        if u.backward_started:
+            return
+        u.backward_started = True
+        self.unshard(u)
+        prev = _following(list(reversed(self._fwd_order)), u)
+        if prev is not None and not prev.is_root:
+            self.unshard(prev, async_op=True)
+
+    def _grad_hook(self, u: Unit, i: int) -> Callable:
+        def hook(p: nn.Parameter) -> None:
+            if not self._callback_queued:
+                self._callback_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            if u.ready[i]:
+                raise RuntimeError(f"a parameter of unit {u.name!r} received its gradient twice in one backward")
+            self._staging(u)
+            u.group.layout.views(u.staging)[i].copy_(p.grad)
+            p.grad = None
+            u.ready[i] = True
+            if all(u.ready):
+                self._post_backward(u)
+        return hook
+
+    def _staging(self, u: Unit) -> torch.Tensor:
+        if u.staging is None:
+            u.staging = torch.zeros(u.group.layout.padded, dtype=self.policy.grad_dtype, device=u.full.device)
+        return u.staging
+
+    def _post_backward(self, u: Unit) -> None:
+        if not u.is_root:
+            self.reshard(u)
+        while self._next_rs < len(self._rs_order) and all(self._rs_order[self._next_rs].ready):
+            self._reduce_scatter(self._rs_order[self._next_rs])
+
+    def _reduce_scatter(self, u: Unit) -> None:
+        staging = self._staging(u)  # zeros where a parameter got no gradient
+        staging.div_(self.group.size)
+        u.rs_out = torch.empty(u.group.layout.shard_size, dtype=staging.dtype, device=staging.device)
+        u.rs_work = self.comm.reduce_scatter(u.rs_out, staging, self.group, async_op=True, tag="grad")
+        self._next_rs += 1
+
+    @torch.no_grad()
+    def _finish_backward(self) -> None:
+        while self._next_rs < len(self._rs_order):
+            self._reduce_scatter(self._rs_order[self._next_rs])
+        for u in self._rs_order:
+            u.rs_work.wait()
+            u.group.grad_shard += u.rs_out
+            u.staging, u.rs_out, u.rs_work = None, None, None
+            u.ready = [False] * len(u.ready)
+            u.backward_started = False
+            self.reshard(u)
+        self._next_rs = 0
+        self._callback_queued = False
+
+    # -- accounting ------------------------------------------------------------------
+
+    def unit_states(self) -> dict[str, str]:
+        """{unit name: "sharded" | "gathering" | "full"}, for tests and debugging."""
+        return {u.name: u.state.value for u in self.units}
+
+
+def _following(order: list[Unit], u: Unit) -> Unit | None:
+    """The unit after ``u`` in ``order`` (None if ``u`` is last or absent)."""
+    for i, x in enumerate(order[:-1]):
+        if x is u:
+            return order[i + 1]
+    return None
+
+
+def select_units(module: nn.Module, wrap_policy: Any) -> list[tuple[str, nn.Module]]:
+    """The (name, submodule) pairs that become units, in registration order.
+
+    wrap_policy: None -> every entry of every nn.ModuleList (the blocks of a
+    transformer); a tuple of module classes -> the outermost modules of those
+    classes; an int -> bottom-up, a module whose parameters not yet in a unit
+    number at least that many (units may nest); a callable(module) -> bool ->
+    the outermost modules it accepts.
+    """
+    named = [(n, m) for n, m in module.named_modules() if n and not isinstance(m, _CONTAINERS)]
+    if wrap_policy is None:
+        lists = [m for m in module.modules() if isinstance(m, nn.ModuleList)]
+        members = {id(c) for lst in lists for c in lst}
+        return [(n, m) for n, m in named if id(m) in members]
+    if isinstance(wrap_policy, int) and not isinstance(wrap_policy, bool):
+        if wrap_policy < 1:
+            raise ValueError(f"a size wrap_policy must be >= 1 parameters, got {wrap_policy}")
+        chosen: list[tuple[str, nn.Module]] = []
+        taken: set[int] = set()
+        for n, m in reversed(named):  # children before parents
+            free = [p for p in m.parameters() if id(p) not in taken]
+            if sum(p.numel() for p in free) >= wrap_policy:
+                chosen.append((n, m))
+                taken.update(id(p) for p in free)
+        if not chosen:
+            raise ValueError(f"wrap_policy={wrap_policy} matches no module (the largest has "
+                             f"{max((sum(p.numel() for p in m.parameters()) for _, m in named), default=0)} "
+                             "parameters); lower the threshold, or pass module classes or a callable")
+        return [(n, m) for n, m in named if any(m is c for _, c in chosen)]
+    if isinstance(wrap_policy, (tuple, list, set)) and all(isinstance(c, type) for c in wrap_policy):
+        accept = lambda m: isinstance(m, tuple(wrap_policy))  # noqa: E731
+        what = f"module classes {[c.__name__ for c in wrap_policy]}"
+    elif callable(wrap_policy):
+        accept, what = wrap_policy, f"callable {wrap_policy!r}"
+    else:
+        raise ValueError(f"wrap_policy={wrap_policy!r} is not understood; pass None (each nn.ModuleList entry), "
+                         "a tuple of module classes, a parameter count (int) or a callable(module) -> bool")
+    out: list[tuple[str, nn.Module]] = []
+    for n, m in named:
+        if accept(m) and not any(n.startswith(o + ".") for o, _ in out):
+            out.append((n, m))
+    if not out:
+        classes = sorted({type(m).__name__ for _, m in named})
+        raise ValueError(f"wrap_policy ({what}) matches no submodule; the model has {classes}. "
+                         "Pass classes or a callable that match, a parameter count, or None")
+    return out
+
+
+def assign_params(module: nn.Module, units: list[tuple[str, nn.Module]]) -> list[list[nn.Parameter]]:
+    """Trainable parameters per unit (then the root's, last), each in registration order.
+
+    A parameter goes to the innermost unit whose subtree registers it; one
+    registered under two different units, or under a unit and outside every
+    unit (tied weights), goes to the root.
+    """
+    unit_of_module: dict[int, int] = {}
+    for i, (_, m) in enumerate(units):  # pre-order: an inner unit comes after its outer one and overrides it
+        for sub in m.modules():
+            unit_of_module[id(sub)] = i
+    root = len(units)
+    owners: dict[int, set[int]] = {}
+    order: list[nn.Parameter] = []
+    for m in module.modules():
+        for p in m._parameters.values():
+            if p is None or not p.requires_grad:
+                continue
+            if id(p) not in owners:
+                owners[id(p)] = set()
+                order.append(p)
+            owners[id(p)].add(unit_of_module.get(id(m), root))
+    out: list[list[nn.Parameter]] = [[] for _ in range(root + 1)]
+    for p in order:
+        o = owners[id(p)]
+        out[o.pop() if len(o) == 1 else root].append(p)
+    return out

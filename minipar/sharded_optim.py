@@ -1,0 +1,240 @@
+"""What every ZeRO stage shares: fp32 master shards, the step on them, clipping, loss scaling.
+
+A stage (``minipar.zero`` for 1 and 2, ``minipar.fsdp`` for 3) cuts the
+parameters into flat groups (`minipar.flat.FlatLayout`) and hands this module
+one `ShardGroup` per group:
+
+* ``shard``: this rank's slice of the parameters in the compute dtype, padded
+  to ``shard_size`` (a view into the full flat parameters for stages 1 and 2,
+  the only copy for stage 3);
+* ``master``: the fp32 real part of that slice, the tensor the optimizer
+  steps. When the compute dtype is fp32 and nothing is offloaded it *is* the
+  shard (a view), so no second copy exists;
+* ``grad_shard``: this rank's slice of the data-parallel mean gradient, in the
+  reduce dtype.
+
+A step: make sure the gradients are reduced (stage 1 reduces now, 2 and 3
+already did in backward), divide out the loss scale, agree on overflow across
+all ranks, step the masters, copy them into the compute shards, and let the
+stage spread the new parameters (stages 1 and 2 all-gather them).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from .comm import AxisGroup, Comm
+from .flat import FlatLayout
+from .precision import LossScaler, MixedPrecision
+
+OFFLOAD_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
+
+
+@dataclass
+class ShardGroup:
+    layout: FlatLayout
+    shard: torch.Tensor               # (shard_size,), compute dtype
+    master: nn.Parameter              # (real_len,), fp32, on the optimizer's device
+    grad_shard: torch.Tensor | None   # (shard_size,), reduce dtype
+
+    @property
+    def real_grad(self) -> torch.Tensor:
+        return self.grad_shard[: self.layout.real_len]
+
+
+def make_master(shard: torch.Tensor, real_fp32: torch.Tensor, offload: bool) -> nn.Parameter:
+    """The optimizer's tensor: a view of ``shard`` when it can be, else an fp32 copy (on CPU if offloaded)."""
+    n = real_fp32.numel()
+    if shard.dtype == torch.float32 and not offload:
+        return nn.Parameter(shard[:n], requires_grad=True)
+    return nn.Parameter(real_fp32.detach().to("cpu" if offload else shard.device, torch.float32, copy=True))
+
+
+class ShardedState:
+    """Base of the ZeRO stages: the groups, the loss scale, and the optimizer-facing steps."""
+
+    stage: int
+
+    def __init__(self, comm: Comm, group: AxisGroup, world: AxisGroup, policy: MixedPrecision,
+                 offload: bool) -> None:
+        self.comm, self.group, self.world = comm, group, world
+        self.policy, self.offload = policy, offload
+        self.scaler = LossScaler(policy.init_scale, policy.growth_interval, policy.uses_loss_scaling)
+        self.groups: list[ShardGroup] = []
+        self.optimizer: ShardedOptimizer | None = None
+        self._unscaled = False
+        self._found_inf = False
+
+    # Stages override these two.
+    def reduce_grads(self) -> None:
+        """Make every group's grad_shard hold the reduced gradient (stage 1 communicates here)."""
+
+    def spread_params(self) -> None:
+        """After the masters were written into the shards: make full parameters current (stages 1, 2)."""
+
+    # -- gradients -------------------------------------------------------------
+
+    def unscale_(self) -> bool:
+        """Reduce, divide out the loss scale, and agree on overflow across every rank. Idempotent per step."""
+        if not self._unscaled:
+            self.reduce_grads()
+            found = torch.zeros(1, device=self.groups[0].shard.device)
+            if self.scaler.enabled:
+                for g in self.groups:
+                    g.grad_shard.mul_(1.0 / self.scaler.scale)
+                    found += (~torch.isfinite(g.real_grad)).any()
+                # Any rank's overflow skips the step everywhere, so the scales stay equal.
+                self.comm.all_reduce(found, self.world, op="max", tag="overflow")
+            self._found_inf = bool(found.item()) if self.scaler.enabled else False
+            self._unscaled = True
+        return self._found_inf
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip by the norm of the whole (unsharded, unpadded) gradient; returns that norm on every rank."""
+        self.unscale_()
+        norm_type = float(norm_type)
+        device = self.groups[0].shard.device
+        local = torch.zeros(1, dtype=torch.float32, device=device)
+        for g in self.groups:
+            if g.layout.real_len == 0:
+                continue
+            gr = g.real_grad.float()
+            if math.isinf(norm_type):
+                local = torch.maximum(local, gr.abs().max().reshape(1))
+            else:
+                local += gr.abs().pow(norm_type).sum()
+        self.comm.all_reduce(local, self.group, op="max" if math.isinf(norm_type) else "sum", tag="grad_norm")
+        total = local[0] if math.isinf(norm_type) else local[0].pow(1.0 / norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # as torch.nn.utils.clip_grad_norm_
+        for g in self.groups:
+            g.grad_shard.mul_(coef.to(g.grad_shard.dtype))
+        return total
+
+    # -- the step --------------------------------------------------------------
+
+    def prepare_step(self) -> bool:
+        """Gradients into the masters; True if the step must be skipped (overflow on some rank)."""
+        if self.unscale_():
+            return True
+        for g in self.groups:
+            grad = g.real_grad
+            if grad.dtype != torch.float32 or grad.device != g.master.device:
+                grad = grad.to(g.master.device, torch.float32)
+            g.master.grad = grad
+        return False
+
+    @torch.no_grad()
+    def finish_step(self, skipped: bool) -> None:
+        self.scaler.update(skipped)
+        self._unscaled = False
+        if skipped:
+            return
+        for g in self.groups:
+            n = g.layout.real_len
+            if g.master.data_ptr() != g.shard.data_ptr():
+                g.shard[:n].copy_(g.master)
+        self.spread_params()
+
+    def zero_grad(self) -> None:
+        for g in self.groups:
+            g.master.grad = None
+            if g.grad_shard is not None:
+                g.grad_shard.zero_()
+        self._unscaled = False
+
+    # -- accounting ------------------------------------------------------------
+
+    def memory_stats(self) -> dict[str, int]:
+        """Bytes of persistent state this rank holds: parameters, gradients, optimizer (masters + state)."""
+        seen: set[int] = set()
+
+        def nbytes(ts) -> int:
+            total = 0
+            for t in ts:
+                if t is None:
+                    continue
+                key = t.untyped_storage().data_ptr()
+                if key in seen or t.untyped_storage().nbytes() == 0:
+                    continue
+                seen.add(key)
+                total += t.untyped_storage().nbytes()
+            return total
+
+        params = nbytes(self.param_tensors())
+        grads = nbytes(self.grad_tensors())
+        opt_tensors = [g.master for g in self.groups]
+        if self.optimizer is not None:
+            for st in self.optimizer.optimizer.state.values():
+                opt_tensors += [v for v in st.values() if torch.is_tensor(v)]
+        return {"params": params, "grads": grads, "optimizer": nbytes(opt_tensors)}
+
+    def param_tensors(self) -> list[torch.Tensor]:
+        return [g.shard for g in self.groups]
+
+    @torch.no_grad()
+    def full_params(self) -> dict[int, torch.Tensor]:
+        """{id(parameter): its full fp32 value}, gathered from every rank's master shard."""
+        out: dict[int, torch.Tensor] = {}
+        for g in self.groups:
+            lay = g.layout
+            mine = torch.zeros(lay.shard_size, dtype=torch.float32, device=g.shard.device)
+            mine[: lay.real_len].copy_(g.master)
+            full = torch.empty(lay.padded, dtype=torch.float32, device=g.shard.device)
+            self.comm.all_gather(full, mine, self.group, tag="state_dict")
+            for p, view in zip(lay.params, lay.views(full)):
+                out[id(p)] = view
+        return out
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        return [g.grad_shard for g in self.groups]
+
+    def layout_signature(self) -> tuple:
+        return (self.stage, tuple(g.layout.signature() for g in self.groups))
+
+
+class ShardedOptimizer:
+    """What ``build_optimizer`` returns under ZeRO: a torch optimizer over this rank's fp32 master shards.
+
+    Any ``torch.optim`` class whose state is per element (Adam, AdamW, SGD with
+    momentum, ...) gives the same result as over the full parameters, since
+    each element is updated from its own gradient and state alone.
+    """
+
+    def __init__(self, state: ShardedState, optimizer_cls: type[torch.optim.Optimizer], **kwargs) -> None:
+        if state.offload and not issubclass(optimizer_cls, OFFLOAD_OPTIMIZERS):
+            names = ", ".join(f"torch.optim.{c.__name__}" for c in OFFLOAD_OPTIMIZERS)
+            raise ValueError(f"cpu_offload=True supports {names}; got {optimizer_cls.__name__}. "
+                             "Use one of those, or cpu_offload=False")
+        self.state = state
+        self.optimizer = optimizer_cls([g.master for g in state.groups], **kwargs)
+        state.optimizer = self
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    def step(self) -> bool:
+        """One optimizer step; returns False when it was skipped for a non-finite gradient."""
+        skip = self.state.prepare_step()
+        if not skip:
+            self.optimizer.step()
+        self.state.finish_step(skip)
+        return not skip
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.state.zero_grad()
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "scaler": self.state.scaler.state_dict(),
+                "layout": self.state.layout_signature()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if state_dict["layout"] != self.state.layout_signature():
+            raise ValueError("this optimizer state was saved under another sharding layout (stage, world size, "
+                             "bucket size or model); load it into a ShardedModule built the same way")
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        self.state.scaler.load_state_dict(state_dict["scaler"])
