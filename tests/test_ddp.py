@@ -83,7 +83,9 @@ def ddp_cases(draw):
     n_head = draw(st.integers(1, 3))
     seq = draw(st.integers(1, 7))
     cfg = dict(vocab_size=draw(st.integers(5, 67)), block_size=seq, n_layer=draw(st.integers(1, 2)),
-               n_head=n_head, n_embd=n_head * draw(st.sampled_from([2, 4, 8])), bias=draw(st.booleans()),
+               # head_dim >= 4: a LayerNorm over 2 features maps every input to +-1 and its gradient is
+               # so ill-conditioned that summation order alone moves results past fp32 tolerance.
+               n_head=n_head, n_embd=n_head * draw(st.sampled_from([4, 8])), bias=draw(st.booleans()),
                tie_weights=draw(st.booleans()), seed=draw(st.integers(0, 2**16)))
     return dict(
         cfg=cfg,
