@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 import torch
 import torch.nn as nn
+from torch.utils._pytree import tree_map
 
 from .ddp import DataParallel
 from .mesh import Mesh
@@ -71,6 +72,7 @@ class ShardedModule(nn.Module):
         self.strategy_name = strategy
         self.module = module.to(mesh.device)
         policy = mixed_precision or FP32
+        self._cast_inputs_to = policy.param_dtype if policy.param_dtype != torch.float32 else None
         if strategy == "ddp":
             self.strategy = DataParallel(self.module, mesh, bucket_cap_mb=bucket_cap_mb)
         elif strategy == "zero1":
@@ -82,6 +84,10 @@ class ShardedModule(nn.Module):
             self.strategy = Zero3(self.module, mesh, policy, cpu_offload, wrap_policy, reshard_after_forward)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._cast_inputs_to is not None:  # floating inputs meet parameters of the compute dtype
+            dtype = self._cast_inputs_to
+            args, kwargs = tree_map(lambda t: t.to(dtype) if torch.is_tensor(t) and t.is_floating_point() else t,
+                                    (args, kwargs))
         return self.module(*args, **kwargs)
 
     def no_sync(self) -> contextlib.AbstractContextManager:

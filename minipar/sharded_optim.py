@@ -21,8 +21,10 @@ stage spread the new parameters (stages 1 and 2 all-gather them).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 import torch.nn as nn
@@ -75,6 +77,17 @@ class ShardedState:
 
     def spread_params(self) -> None:
         """After the masters were written into the shards: make full parameters current (stages 1, 2)."""
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accepted for symmetry with DDP; changes nothing under ZeRO.
+
+        Stage 1 sends nothing during backward anyway (gradients accumulate in
+        ``p.grad`` and are reduce-scattered once, at the step). Stages 2 and 3
+        exist not to hold the full gradient, so every backward reduce-scatters
+        its gradients and they accumulate in this rank's gradient shard.
+        """
+        yield
 
     # -- gradients -------------------------------------------------------------
 
@@ -131,6 +144,8 @@ class ShardedState:
     def finish_step(self, skipped: bool) -> None:
         self.scaler.update(skipped)
         self._unscaled = False
+        for g in self.groups:
+            g.master.grad = None  # an fp32 copy of the gradient shard, needed only inside the step
         if skipped:
             return
         for g in self.groups:
@@ -175,14 +190,22 @@ class ShardedState:
     def param_tensors(self) -> list[torch.Tensor]:
         return [g.shard for g in self.groups]
 
-    @torch.no_grad()
     def full_params(self) -> dict[int, torch.Tensor]:
         """{id(parameter): its full fp32 value}, gathered from every rank's master shard."""
+        return self._gather([g.master for g in self.groups])
+
+    def full_grads(self) -> dict[int, torch.Tensor]:
+        """{id(parameter): its full reduced gradient in fp32} (before the step; for tests and debugging)."""
+        self.reduce_grads()
+        return self._gather([g.real_grad for g in self.groups])
+
+    @torch.no_grad()
+    def _gather(self, real_parts: list[torch.Tensor]) -> dict[int, torch.Tensor]:
         out: dict[int, torch.Tensor] = {}
-        for g in self.groups:
+        for g, real in zip(self.groups, real_parts):
             lay = g.layout
             mine = torch.zeros(lay.shard_size, dtype=torch.float32, device=g.shard.device)
-            mine[: lay.real_len].copy_(g.master)
+            mine[: lay.real_len].copy_(real)
             full = torch.empty(lay.padded, dtype=torch.float32, device=g.shard.device)
             self.comm.all_gather(full, mine, self.group, tag="state_dict")
             for p, view in zip(lay.params, lay.views(full)):

@@ -108,10 +108,16 @@ class Zero1(_ReplicatedParams):
             w.wait()
         self._reduced = True
 
+    def finish_step(self, skipped: bool) -> None:
+        super().finish_step(skipped)
+        for g in self.groups:
+            g.grad_shard = None  # the reduced shard lives only from reduce_grads to the end of the step
+        self._reduced = False
+
     def zero_grad(self) -> None:
         super().zero_grad()
         for g in self.groups:
-            g.grad_shard = None  # rebuilt by the next reduce_grads
+            g.grad_shard = None
             for p in g.layout.params:
                 p.grad = None
         self._reduced = False
