@@ -3,7 +3,7 @@
 How a step goes:
 
 1. Wrapping broadcasts parameters and buffers from data-parallel rank 0, then
-   lays the gradients out in flat buckets of at most ``bucket_cap_mb``, in
+   lays the gradients out in flat buckets of about ``bucket_cap_mb``, in
    *reverse* registration order (the order backward produces them), one dtype
    per bucket. Each parameter's ``.grad`` becomes a view into its bucket, so
    the all-reduce needs no copy in or out.
@@ -188,16 +188,19 @@ def broadcast_from_rank0(module: nn.Module, comm: Comm, group: AxisGroup) -> Non
 
 
 def bucket_params(params: list[nn.Parameter], cap_bytes: int) -> list[list[nn.Parameter]]:
-    """Cut ``params`` (in the order given) into buckets of at most ``cap_bytes``, one dtype and device each.
+    """Cut ``params`` (in the order given) into buckets, one dtype and device each.
 
-    A parameter larger than the cap gets a bucket of its own.
+    A bucket takes parameters while it holds fewer than ``cap_bytes``, so it
+    closes with the parameter that reaches the cap (as PyTorch DDP fills its
+    buckets). Closing *before* an overflowing parameter instead would strand
+    each small bias in a bucket of its own, one collective apiece.
     """
     groups: list[list[nn.Parameter]] = []
     open_group: dict[tuple, tuple[int, int]] = {}  # (dtype, device) -> (index in groups, bytes)
     for p in params:
         key = (p.dtype, p.device)
         nbytes = p.numel() * p.element_size()
-        if key in open_group and open_group[key][1] + nbytes <= cap_bytes:
+        if key in open_group and open_group[key][1] < cap_bytes:
             gi, used = open_group[key]
             groups[gi].append(p)
             open_group[key] = (gi, used + nbytes)

@@ -12,7 +12,7 @@ gradient of its own shard only; its optimizer steps that shard; the updated
 shards are all-gathered back into every rank's parameters.
 
 ZeRO-2 (`Zero2`). Groups are buckets, as in DDP (reverse registration order,
-at most ``bucket_cap_mb``); this rank owns one shard of each. During backward
+about ``bucket_cap_mb``); this rank owns one shard of each. During backward
 a full bucket is reduce-scattered at once, overlapped with the rest of
 backward, and its staging buffer is dropped when that finishes: no rank ever
 keeps the full gradient, only its gradient shards (which accumulate over

@@ -159,9 +159,15 @@ def test_zero_equals_single_process(pools, case):
 # -- empty shards, tied weights split across units -----------------------------------
 
 
+def _tiny_model() -> nn.Module:
+    """5 elements: at world 4 the shards hold 2, 2, 1 and 0 of them (a partial and an empty shard)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(1, 1), nn.Tanh(), nn.Linear(1, 1), nn.Tanh(), nn.Linear(1, 1, bias=False))
+
+
 def _tiny(ctx, strategy):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(1, 1), nn.Tanh(), nn.Linear(1, 2))  # 6 elements in all
+    model = _tiny_model()  # 6 elements in all
     mesh = Mesh()
     sharded = ShardedModule(model, mesh=mesh, strategy=strategy,
                             wrap_policy=(nn.Linear,) if strategy == "zero3" else None)
@@ -180,7 +186,7 @@ def _tiny(ctx, strategy):
 @pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
 def test_empty_shards_work_and_padding_never_reaches_the_optimizer(pools, strategy):
     torch.manual_seed(0)
-    ref = nn.Sequential(nn.Linear(1, 1), nn.Tanh(), nn.Linear(1, 2))
+    ref = _tiny_model()
     opt = torch.optim.AdamW(ref.parameters(), lr=0.1, weight_decay=WD, eps=EPS)
     xs = torch.linspace(-1, 1, 16).view(-1, 1)
     for _ in range(3):
@@ -189,8 +195,8 @@ def test_empty_shards_work_and_padding_never_reaches_the_optimizer(pools, strate
         opt.zero_grad()
     results = pools.run(4, _tiny, strategy)
     assert any(0 in real for _, real, _ in results), "some rank must hold an empty shard"
-    assert sum(sum(real) for _, real, _ in results) == 6  # the real elements, each owned once
-    assert sum(sum(sizes) for _, _, sizes in results) == 6  # optimizer state: no padding
+    assert sum(sum(real) for _, real, _ in results) == 5  # the real elements, each owned once
+    assert sum(sum(sizes) for _, _, sizes in results) == 5  # optimizer state: no padding
     for sd, _, _ in results:
         for k, v in ref.state_dict().items():
             torch.testing.assert_close(sd[k], v)
@@ -347,29 +353,56 @@ def test_zero3_frees_full_parameters_after_forward(pools, reshard_after_forward)
 # -- loss scaling, state dicts, bad input ---------------------------------------------
 
 
+_FP16_CFG = dict(vocab_size=20, block_size=4, n_layer=1, n_head=2, n_embd=8)
+
+
+def _fp16_batch(rank: int) -> torch.Tensor:
+    return torch.randint(0, 20, (2, 5), generator=torch.Generator().manual_seed(rank))
+
+
 def _fp16_overflow(ctx, strategy):
     mesh = Mesh()
-    model = GPT(GPTConfig(vocab_size=20, block_size=4, n_layer=1, n_head=2, n_embd=8))
-    sharded = ShardedModule(model, mesh=mesh, strategy=strategy,
-                            mixed_precision=MixedPrecision(param_dtype=torch.float16, init_scale=1024.0))
-    opt = sharded.build_optimizer(torch.optim.AdamW, lr=1e-2)
-    x = torch.randint(0, 20, (2, 5), generator=torch.Generator().manual_seed(ctx.rank))
-    log = []
+    sharded = ShardedModule(GPT(GPTConfig(**_FP16_CFG)), mesh=mesh, strategy=strategy,
+                            mixed_precision=MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float32,
+                                                           init_scale=1024.0))
+    # SGD, not Adam: Adam's update barely depends on the gradient's scale, so only SGD would notice
+    # a loss scale that was never divided out.
+    opt = sharded.build_optimizer(torch.optim.SGD, lr=0.1)
+    x = _fp16_batch(ctx.rank)
+    log, first_step = [], None
     for step in range(3):
         poison = step == 1 and ctx.rank == ctx.world_size - 1  # one rank overflows in step 1
         sharded.train_step(x[:, :-1], x[:, 1:], lambda out, y: gpt_loss(out, y) * (float("inf") if poison else 1.0))
         before = sharded.full_state_dict()
         stepped = opt.step()
         after = sharded.full_state_dict()
+        first_step = first_step or after
         opt.zero_grad()
         log.append((stepped, sharded.strategy.scaler.scale, all(torch.equal(before[k], after[k]) for k in before)))
-    return log
+    return log, first_step
 
 
 @pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
 def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(pools, strategy):
-    for log in pools.run(3, _fp16_overflow, strategy):
+    """fp16 with a dynamic loss scale: the first step equals a reference doing the same casts (fp16
+    compute of the scaled loss per rank, fp32 reduction, scale divided out, fp32 SGD on the master);
+    an inf on one rank skips the step on every rank and halves the scale everywhere."""
+    master = GPT(GPTConfig(**_FP16_CFG))
+    sums = {n: torch.zeros_like(p) for n, p in master.named_parameters()}
+    for r in range(3):
+        compute = copy.deepcopy(master).half()
+        x = _fp16_batch(r)
+        (gpt_loss(compute(x[:, :-1]), x[:, 1:]) * 1024.0).backward()
+        for n, p in compute.named_parameters():
+            sums[n] += p.grad.float() / 3
+    for n, p in master.named_parameters():
+        p.grad = sums[n] / 1024.0
+    torch.optim.SGD(master.parameters(), lr=0.1).step()
+    ref = master
+    for log, first_step in pools.run(3, _fp16_overflow, strategy):
         assert log == [(True, 1024.0, False), (False, 512.0, True), (True, 512.0, False)]
+        for k, v in ref.state_dict().items():
+            torch.testing.assert_close(first_step[k], v)
 
 
 def _resume(ctx, strategy):
