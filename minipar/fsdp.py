@@ -30,7 +30,7 @@ Like ZeRO-1/2, a parameter without a gradient gets a zero gradient.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Callable
 
@@ -42,7 +42,7 @@ from .ddp import broadcast_from_rank0, signature
 from .flat import FlatLayout
 from .mesh import Mesh
 from .precision import MixedPrecision
-from .sharded_optim import ShardedState, ShardGroup, make_master
+from .sharded_optim import GradStaging, ShardedState, ShardGroup, make_master
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 
@@ -61,10 +61,7 @@ class Unit:
     full: torch.Tensor                      # (padded,) compute dtype; storage empty while SHARDED
     state: UnitState = UnitState.SHARDED
     work: Any = None                        # the all-gather in flight while GATHERING
-    ready: list[bool] = field(default_factory=list)
-    staging: torch.Tensor | None = None     # full flat gradient, only until reduce-scattered
-    rs_out: torch.Tensor | None = None
-    rs_work: Any = None
+    grads: GradStaging | None = None        # the unit's gradient on its way to the shard
     backward_started: bool = False
     is_root: bool = False
 
@@ -117,8 +114,8 @@ class Zero3(ShardedState):
         for p, view in zip(params, lay.views(full)):
             p.data = view
         full.untyped_storage().resize_(0)
-        return Unit(name, m, ShardGroup(lay, shard, master, grad_shard), full, ready=[False] * len(params),
-                    is_root=is_root)
+        group = ShardGroup(lay, shard, master, grad_shard)
+        return Unit(name, m, group, full, grads=GradStaging(group, self.policy.grad_dtype), is_root=is_root)
 
     # -- the unit state machine --------------------------------------------------
 
@@ -199,43 +196,28 @@ class Zero3(ShardedState):
             if not self._callback_queued:
                 self._callback_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-            if u.ready[i]:
-                raise RuntimeError(f"a parameter of unit {u.name!r} received its gradient twice in one backward")
-            self._staging(u)
-            u.group.layout.views(u.staging)[i].copy_(p.grad)
+            u.grads.add(i, p.grad)
             p.grad = None
-            u.ready[i] = True
-            if all(u.ready):
+            if u.grads.complete:
                 self._post_backward(u)
         return hook
-
-    def _staging(self, u: Unit) -> torch.Tensor:
-        if u.staging is None:
-            u.staging = torch.zeros(u.group.layout.padded, dtype=self.policy.grad_dtype, device=u.full.device)
-        return u.staging
 
     def _post_backward(self, u: Unit) -> None:
         if not u.is_root:
             self.reshard(u)
-        while self._next_rs < len(self._rs_order) and all(self._rs_order[self._next_rs].ready):
-            self._reduce_scatter(self._rs_order[self._next_rs])
+        while self._next_rs < len(self._rs_order) and self._rs_order[self._next_rs].grads.complete:
+            self._launch_next()
 
-    def _reduce_scatter(self, u: Unit) -> None:
-        staging = self._staging(u)  # zeros where a parameter got no gradient
-        staging.div_(self.group.size)
-        u.rs_out = torch.empty(u.group.layout.shard_size, dtype=staging.dtype, device=staging.device)
-        u.rs_work = self.comm.reduce_scatter(u.rs_out, staging, self.group, async_op=True, tag="grad")
+    def _launch_next(self) -> None:
+        self._rs_order[self._next_rs].grads.launch(self.comm, self.group)
         self._next_rs += 1
 
     @torch.no_grad()
     def _finish_backward(self) -> None:
         while self._next_rs < len(self._rs_order):
-            self._reduce_scatter(self._rs_order[self._next_rs])
+            self._launch_next()
         for u in self._rs_order:
-            u.rs_work.wait()
-            u.group.grad_shard += u.rs_out
-            u.staging, u.rs_out, u.rs_work = None, None, None
-            u.ready = [False] * len(u.ready)
+            u.grads.land()
             u.backward_started = False
             self.reshard(u)
         self._next_rs = 0

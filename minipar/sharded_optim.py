@@ -48,6 +48,52 @@ class ShardGroup:
         return self.grad_shard[: self.layout.real_len]
 
 
+class GradStaging:
+    """One group's full local gradient, from its first piece until its reduce-scatter lands in the shard.
+
+    ZeRO-2 keeps one per bucket, ZeRO-3 one per unit. Memory exists only
+    between the first ``add`` and ``land``.
+    """
+
+    def __init__(self, group: ShardGroup, dtype: torch.dtype) -> None:
+        self.group, self.dtype = group, dtype
+        self.ready = [False] * len(group.layout.params)
+        self._flat: torch.Tensor | None = None
+        self._views: list[torch.Tensor] = []
+        self._out: torch.Tensor | None = None
+        self._work = None
+
+    @property
+    def complete(self) -> bool:
+        return all(self.ready)
+
+    def _buffer(self) -> torch.Tensor:
+        if self._flat is None:  # zeros: a parameter that gets no gradient contributes zero
+            self._flat = torch.zeros(self.group.layout.padded, dtype=self.dtype, device=self.group.shard.device)
+            self._views = self.group.layout.views(self._flat)
+        return self._flat
+
+    def add(self, i: int, grad: torch.Tensor) -> None:
+        if self.ready[i]:
+            raise RuntimeError("a parameter received its gradient twice in one backward; ZeRO reduce-scatters "
+                               "each gradient once per backward")
+        self._buffer()
+        self._views[i].copy_(grad)
+        self.ready[i] = True
+
+    def launch(self, comm: Comm, axis: AxisGroup) -> None:
+        flat = self._buffer()
+        flat.div_(axis.size)  # the sum over ranks of grad / N is the mean
+        self._out = torch.empty(self.group.layout.shard_size, dtype=flat.dtype, device=flat.device)
+        self._work = comm.reduce_scatter(self._out, flat, axis, async_op=True, tag="grad")
+
+    def land(self) -> None:
+        self._work.wait()
+        self.group.grad_shard += self._out  # accumulates over backwards until zero_grad
+        self._flat, self._views, self._out, self._work = None, [], None, None
+        self.ready = [False] * len(self.ready)
+
+
 def make_master(shard: torch.Tensor, real_fp32: torch.Tensor, offload: bool) -> nn.Parameter:
     """The optimizer's tensor: a view of ``shard`` when it can be, else an fp32 copy (on CPU if offloaded)."""
     n = real_fp32.numel()

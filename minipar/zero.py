@@ -29,8 +29,6 @@ a plain torch optimizer would skip it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 import torch.nn as nn
 
@@ -38,7 +36,7 @@ from .ddp import broadcast_from_rank0, bucket_params, signature
 from .flat import FlatLayout
 from .mesh import Mesh
 from .precision import MixedPrecision
-from .sharded_optim import ShardedState, ShardGroup, make_master
+from .sharded_optim import GradStaging, ShardedState, ShardGroup, make_master
 
 
 class _ReplicatedParams(ShardedState):
@@ -126,17 +124,6 @@ class Zero1(_ReplicatedParams):
         return [p.grad for g in self.groups for p in g.layout.params] + [g.grad_shard for g in self.groups]
 
 
-@dataclass
-class _Bucket:
-    group: ShardGroup
-    index: int
-    ready: list[bool]
-    staging: torch.Tensor | None = None  # full flat gradient of the bucket, only while it is being reduced
-    out: torch.Tensor | None = None
-    work: object = None
-    views: list[torch.Tensor] = field(default_factory=list)
-
-
 class Zero2(_ReplicatedParams):
     """ZeRO-2: optimizer state and gradients sharded; buckets reduce-scattered during backward."""
 
@@ -152,49 +139,32 @@ class Zero2(_ReplicatedParams):
         broadcast_from_rank0(module, self.comm, self.group)
         cap = max(1, int(bucket_cap_mb * 2**20))
         self._setup(module, mesh, bucket_params([p for _, p in reversed(named)], cap), grad_shards=True)
-        self.buckets = [_Bucket(g, i, [False] * len(g.layout.params)) for i, g in enumerate(self.groups)]
+        self.buckets = [GradStaging(g, policy.grad_dtype) for g in self.groups]
         self._next_launch = 0
         self._callback_queued = False
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(b, i))
                        for b in self.buckets for i, p in enumerate(b.group.layout.params)]
 
-    def _staging(self, b: _Bucket) -> torch.Tensor:
-        if b.staging is None:
-            b.staging = torch.zeros(b.group.layout.padded, dtype=self.policy.grad_dtype, device=b.group.shard.device)
-            b.views = b.group.layout.views(b.staging)
-        return b.staging
-
-    def _make_hook(self, b: _Bucket, i: int):
+    def _make_hook(self, b: GradStaging, i: int):
         def hook(p: nn.Parameter) -> None:
             if not self._callback_queued:
                 self._callback_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-            if b.ready[i]:
-                raise RuntimeError("a parameter received its gradient twice in one backward; "
-                                   "ZeRO-2 reduce-scatters each gradient once per backward")
-            self._staging(b)
-            b.views[i].copy_(p.grad)
+            b.add(i, p.grad)
             p.grad = None  # the full gradient lives only in the bucket until it is reduce-scattered
-            b.ready[i] = True
-            while self._next_launch < len(self.buckets) and all(self.buckets[self._next_launch].ready):
-                self._launch(self.buckets[self._next_launch])  # in bucket order, on every rank alike
+            while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].complete:
+                self._launch_next()  # in bucket order, on every rank alike
         return hook
 
-    def _launch(self, b: _Bucket) -> None:
-        staging = self._staging(b)  # zeros where a parameter got no gradient
-        staging.div_(self.group.size)
-        b.out = torch.empty(b.group.layout.shard_size, dtype=staging.dtype, device=staging.device)
-        b.work = self.comm.reduce_scatter(b.out, staging, self.group, async_op=True, tag="grad")
+    def _launch_next(self) -> None:
+        self.buckets[self._next_launch].launch(self.comm, self.group)
         self._next_launch += 1
 
     @torch.no_grad()
     def _finish_backward(self) -> None:
         while self._next_launch < len(self.buckets):
-            self._launch(self.buckets[self._next_launch])
+            self._launch_next()
         for b in self.buckets:
-            b.work.wait()
-            b.group.grad_shard += b.out  # accumulates over backwards until zero_grad
-            b.staging, b.views, b.out, b.work = None, [], None, None
-            b.ready = [False] * len(b.ready)
+            b.land()
         self._next_launch = 0
         self._callback_queued = False

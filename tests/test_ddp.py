@@ -20,21 +20,10 @@ from hypothesis import given, strategies as st
 from minipar import Mesh, ShardedModule
 from minipar.models import GPT, GPTConfig, gpt_loss
 
-# AdamW's step g / (|g| + eps) multiplies *absolute* gradient rounding noise by up to lr / eps. A
-# gradient element that is a sum of large terms cancelling to ~eps carries ~1e-10 of noise when the
-# sum is ordered differently (per rank, then all-reduced); at the default eps=1e-8 and lr=3e-3 that
-# becomes a 3e-5 parameter difference although every gradient matches. eps=1e-6 keeps the optimizer
-# well conditioned, so the comparisons below can stay at the default fp32 tolerances.
-LR, WD, EPS = 1e-3, 0.1, 1e-6
+from helpers import EPS, LR, WD, accumulated_step, batches
 
 
 # -- the equivalence property ----------------------------------------------------
-
-
-def _batches(seed: int, steps: int, accum: int, world: int, local_bs: int, seq: int, vocab: int) -> torch.Tensor:
-    """(steps, accum, world * local_bs, seq + 1) token ids; rank r owns rows r*local_bs:(r+1)*local_bs."""
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, (steps, accum, world * local_bs, seq + 1), generator=g)
 
 
 def _train_ddp(ctx, cfg: dict, data: torch.Tensor, local_bs: int, bucket_cap_mb: float, max_norm: float,
@@ -44,16 +33,11 @@ def _train_ddp(ctx, cfg: dict, data: torch.Tensor, local_bs: int, bucket_cap_mb:
     mesh = Mesh()
     ddp = ShardedModule(model, mesh=mesh, strategy="ddp", bucket_cap_mb=bucket_cap_mb)
     opt = ddp.build_optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD, eps=EPS)
-    steps, accum = data.shape[:2]
+    steps = data.shape[0]
     rows = slice(ctx.rank * local_bs, (ctx.rank + 1) * local_bs)
     losses, norms = [], []
     for s in range(steps):
-        step_loss = 0.0
-        for a in range(accum):
-            x = data[s, a, rows].to(ctx.device)
-            sync = contextlib.nullcontext() if a == accum - 1 else ddp.no_sync()
-            with sync:
-                step_loss += ddp.train_step(x[:, :-1], x[:, 1:], lambda out, y: gpt_loss(out, y) / accum).item()
+        step_loss = accumulated_step(ddp, data[s], rows, ctx.device)
         grads = {n: None if p.grad is None else p.grad.to("cpu", copy=True) for n, p in model.named_parameters()}
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
         opt.step()
@@ -106,7 +90,7 @@ def test_ddp_equals_single_process(pools, case):
     single-process run on the global batch: losses, gradient norms, gradients and parameters; and
     every rank holds bitwise identical parameters."""
     cfg, world = case["cfg"], case["world"]
-    data = _batches(case["data_seed"], 3, case["accum"], world, case["local_bs"], case["seq"], cfg["vocab_size"])
+    data = batches(case["data_seed"], 3, case["accum"], world, case["local_bs"], case["seq"], cfg["vocab_size"])
     max_norm = 0.05
     ref_losses, ref_norms, ref_grads, ref_params = _train_reference(cfg, data, max_norm)
     assert max(ref_norms) > max_norm, "clipping must fire for this test to mean anything"

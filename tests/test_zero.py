@@ -9,7 +9,6 @@ the chunks are summed, and AdamW steps the fp32 master.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
 
@@ -22,17 +21,13 @@ from hypothesis import example, given, strategies as st
 from minipar import Mesh, MixedPrecision, ShardedModule
 from minipar.models import GPT, Block, GPTConfig, gpt_loss
 
-LR, WD, EPS = 1e-3, 0.1, 1e-6  # eps: see tests/test_ddp.py
+from helpers import EPS, LR, WD, accumulated_step, batches
+
 PRECISIONS = {
     "fp32": None,
     "bf16": MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
     "bf16_bf16": MixedPrecision(param_dtype=torch.bfloat16),  # bf16 gradients too, as the ZeRO paper counts
 }
-
-
-def _batches(seed, steps, accum, world, local_bs, seq, vocab):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, (steps, accum, world * local_bs, seq + 1), generator=g)
 
 
 def _named(module: nn.Module, full: dict[int, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -46,16 +41,11 @@ def _train_sharded(ctx, strategy, cfg, data, local_bs, precision, offload, max_n
     sharded = ShardedModule(model, mesh=mesh, strategy=strategy, bucket_cap_mb=1e-3,
                             mixed_precision=PRECISIONS[precision], cpu_offload=offload, wrap_policy=wrap_policy)
     opt = sharded.build_optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD, eps=EPS)
-    steps, accum = data.shape[:2]
+    steps = data.shape[0]
     rows = slice(ctx.rank * local_bs, (ctx.rank + 1) * local_bs)
     losses, norms = [], []
     for s in range(steps):
-        step_loss = 0.0
-        for a in range(accum):
-            x = data[s, a, rows].to(ctx.device)
-            sync = contextlib.nullcontext() if a == accum - 1 else sharded.no_sync()
-            with sync:
-                step_loss += sharded.train_step(x[:, :-1], x[:, 1:], lambda out, y: gpt_loss(out, y) / accum).item()
+        step_loss = accumulated_step(sharded, data[s], rows, ctx.device)
         grads = _named(model, sharded.strategy.full_grads())
         norms.append(sharded.clip_grad_norm_(max_norm, norm_type).item())
         opt.step()
@@ -136,7 +126,7 @@ def test_zero_equals_single_process(pools, case):
     and parameters equal the reference (fp32 at fp32 tolerance, bf16 at bf16 tolerance), for sizes
     no world size divides, tied and untied heads, accumulation, CPU offload and every wrap policy."""
     cfg, world = case["cfg"], case["world"]
-    data = _batches(case["data_seed"], 3, case["accum"], world, case["local_bs"], case["seq"], cfg["vocab_size"])
+    data = batches(case["data_seed"], 3, case["accum"], world, case["local_bs"], case["seq"], cfg["vocab_size"])
     max_norm = 0.02 if case["norm_type"] != 1.0 else 0.5
     ref = _train_reference(case["strategy"], cfg, data, world, case["precision"], max_norm, case["norm_type"])
     assert max(ref[1]) > max_norm, "clipping must fire for this test to mean anything"

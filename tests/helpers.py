@@ -1,0 +1,35 @@
+"""Pieces the equivalence tests share: per-rank data and one accumulated training step."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from minipar.models import gpt_loss
+
+# AdamW's step g / (|g| + eps) multiplies *absolute* gradient rounding noise by up to lr / eps. A
+# gradient element that is a sum of large terms cancelling to ~eps carries ~1e-10 of noise when the
+# sum is ordered differently (per rank, then all-reduced); at the default eps=1e-8 and lr=3e-3 that
+# becomes a 3e-5 parameter difference although every gradient matches. eps=1e-6 keeps the optimizer
+# well conditioned, so the comparisons can stay at the default fp32 tolerances.
+LR, WD, EPS = 1e-3, 0.1, 1e-6
+
+
+def batches(seed: int, steps: int, accum: int, world: int, local_bs: int, seq: int, vocab: int) -> torch.Tensor:
+    """(steps, accum, world * local_bs, seq + 1) token ids; rank r owns rows r*local_bs:(r+1)*local_bs."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (steps, accum, world * local_bs, seq + 1), generator=g)
+
+
+def accumulated_step(model, step_data: torch.Tensor, rows: slice, device) -> float:
+    """Forward/backward over this rank's micro-batches of one step (no_sync on all but the last);
+    returns the global loss of the step."""
+    accum = step_data.shape[0]
+    total = 0.0
+    for a in range(accum):
+        x = step_data[a, rows].to(device)
+        sync = contextlib.nullcontext() if a == accum - 1 else model.no_sync()
+        with sync:
+            total += model.train_step(x[:, :-1], x[:, 1:], lambda out, y: gpt_loss(out, y) / accum).item()
+    return total
