@@ -50,9 +50,12 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (batch, seq, n_embd) -> (batch, seq, n_embd)."""
-        b, t, _ = x.shape
-        # -1 heads: under tensor parallelism each rank holds n_head / tp of them.
-        q, k, v = (p(x).view(b, t, -1, self.head_dim).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        # Shapes come from the projections, not from x: under sequence parallelism x holds a slice of
+        # the sequence and the projections the whole of it; under tensor parallelism each rank holds
+        # n_head / tp heads, hence -1.
+        b, t = q.shape[:2]
+        q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                            dropout_p=self.dropout if self.training else 0.0)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
@@ -95,6 +98,33 @@ class GPT(nn.Module):
         if cfg.tie_weights:
             self.lm_head.weight = self.wte.weight
         self.reset_parameters()
+
+    def tp_plan(self, tp: int, sequence_parallel: bool = False, gather_logits: bool = False) -> dict:
+        """The tensor-parallel plan for ``minipar.tensor_parallel.parallelize``.
+
+        Attention heads and MLP features split (q/k/v and fc column-wise, o and
+        proj row-wise), the embedding and LM head split over the vocabulary (so
+        a tied head stays tied). The logits stay vocab-parallel for
+        ``vocab_parallel_cross_entropy`` unless ``gather_logits``. With
+        sequence parallelism the position embedding's output is split along
+        the sequence like the token embedding's.
+        """
+        from minipar.tensor_parallel import SequenceShard  # the model itself knows nothing of parallelism
+
+        cfg = self.config
+        for what, n in (("n_head", cfg.n_head), ("vocab_size", cfg.vocab_size), ("n_embd", cfg.n_embd)):
+            if n % tp:
+                raise ValueError(f"GPT {what}={n} is not divisible by tp={tp}: tensor parallelism splits it; "
+                                 f"choose a multiple of {tp} (pad the vocabulary if needed)")
+        if sequence_parallel and cfg.block_size % tp:
+            raise ValueError(f"block_size={cfg.block_size} must be divisible by tp={tp} for sequence parallelism")
+        plan: dict = {"wte": "vocab", "lm_head": "colwise_gather" if gather_logits else "colwise",
+                      "layers.*.attn.q_proj": "colwise", "layers.*.attn.k_proj": "colwise",
+                      "layers.*.attn.v_proj": "colwise", "layers.*.attn.o_proj": "rowwise",
+                      "layers.*.mlp.fc": "colwise", "layers.*.mlp.proj": "rowwise"}
+        if sequence_parallel:
+            plan["wpe"] = SequenceShard(0)
+        return plan
 
     @torch.no_grad()
     def reset_parameters(self) -> None:

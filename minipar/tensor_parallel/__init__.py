@@ -1,0 +1,14 @@
+"""Tensor parallelism (Megatron-style): parallel layers, vocab-parallel cross-entropy, plans.
+
+    from minipar.tensor_parallel import parallelize
+    model = parallelize(GPT(cfg), mesh, GPT(cfg).tp_plan(mesh.tp))
+"""
+
+from .cross_entropy import vocab_parallel_cross_entropy
+from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, mark_sequence_parallel
+from .parallelize import STYLES, SequenceShard, parallelize
+from .grads import sync_sequence_parallel_grads, tp_grad_norm
+
+__all__ = ["parallelize", "SequenceShard", "STYLES", "ColumnParallelLinear", "RowParallelLinear",
+           "VocabParallelEmbedding", "vocab_parallel_cross_entropy", "mark_sequence_parallel",
+           "sync_sequence_parallel_grads", "tp_grad_norm"]

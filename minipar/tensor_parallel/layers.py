@@ -1,0 +1,127 @@
+"""Tensor-parallel layers: the matrices themselves split across the ranks of the ``tp`` axis.
+
+Shards are contiguous chunks in tp-rank order: ``full.chunk(tp, dim)[tp_rank]``,
+dim 0 (output features / vocabulary rows) for column-parallel and vocab-parallel,
+dim 1 (input features) for row-parallel.
+
+Column-parallel ``Y_i = X A_i^T + b_i`` (A split by output rows): the input is
+replicated, so it enters through ``copy_to_region`` (identity forward, all-reduce
+of dX backward); each rank produces its slice of Y's features.
+
+Row-parallel ``Y = sum_i X_i A_i^T + b`` (A split by input columns): the input
+arrives already split along features, each rank computes a partial product,
+``reduce_from_region`` sums them (all-reduce forward, identity backward), and
+the bias is added once, after the sum.
+
+With sequence parallelism the replicated activations between these layers are
+instead split along the sequence: the column-parallel layer all-gathers the
+sequence first (``gather_sequence``: all-gather forward, reduce-scatter
+backward), and the row-parallel layer reduce-scatters its output along the
+sequence (``reduce_scatter_sequence``) instead of all-reducing it. Parameters
+that then see only a sequence shard (the row-parallel bias; norms outside
+these layers) are marked ``sequence_parallel``: their gradients are partial
+sums and must be all-reduced over tp (ShardedModule does it).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..comm import AxisGroup
+from ..mesh import Mesh
+from ..regions import copy_to_region, gather_from_region, gather_sequence, reduce_from_region, \
+    reduce_scatter_sequence, scatter_to_region
+
+SEQ_DIM = 1  # activations are (batch, seq, features)
+
+
+def mark_sequence_parallel(p: nn.Parameter) -> None:
+    """This replicated parameter sees a sequence shard: its gradient must be summed over tp."""
+    p.sequence_parallel = True  # read by ShardedModule after backward
+
+
+def _shard(full: torch.Tensor, group: AxisGroup, dim: int, what: str) -> nn.Parameter:
+    """This rank's contiguous chunk of ``full`` along ``dim``, as a parameter marked ``tensor_parallel``."""
+    if full.shape[dim] % group.size:
+        raise ValueError(f"{what}: size {full.shape[dim]} along dim {dim} is not divisible by tp={group.size}; "
+                         "choose sizes divisible by the tensor-parallel size")
+    p = nn.Parameter(full.detach().chunk(group.size, dim)[group.rank].clone())
+    p.tensor_parallel = True
+    return p
+
+
+class ColumnParallelLinear(nn.Module):
+    """``nn.Linear`` with output features split. x: (..., in) replicated -> (..., out / tp), or (..., out)
+    with ``gather_output``. With ``sequence_parallel`` x is (batch, seq / tp, in)."""
+
+    def __init__(self, linear: nn.Linear, mesh: Mesh, gather_output: bool = False,
+                 sequence_parallel: bool = False) -> None:
+        super().__init__()
+        self.comm, self.group = mesh.comm, mesh.group("tp")
+        self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = _shard(linear.weight, self.group, 0, "ColumnParallelLinear out_features")
+        self.bias = None if linear.bias is None else _shard(linear.bias, self.group, 0, "bias")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            x = gather_sequence(x, self.comm, self.group, dim=SEQ_DIM, tag="tp")
+        else:
+            x = copy_to_region(x, self.comm, self.group, tag="tp")
+        y = F.linear(x, self.weight, self.bias)
+        return gather_from_region(y, self.comm, self.group, dim=-1, tag="tp") if self.gather_output else y
+
+
+class RowParallelLinear(nn.Module):
+    """``nn.Linear`` with input features split. x: (..., in / tp) if ``input_is_parallel`` else (..., in)
+    -> (..., out) replicated, or (batch, seq / tp, out) with ``sequence_parallel``."""
+
+    def __init__(self, linear: nn.Linear, mesh: Mesh, input_is_parallel: bool = True,
+                 sequence_parallel: bool = False) -> None:
+        super().__init__()
+        self.comm, self.group = mesh.comm, mesh.group("tp")
+        self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = _shard(linear.weight, self.group, 1, "RowParallelLinear in_features")
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
+        if self.bias is not None and sequence_parallel:
+            mark_sequence_parallel(self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_region(x, self.comm, self.group, dim=-1, tag="tp")
+        partial = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = reduce_scatter_sequence(partial, self.comm, self.group, dim=SEQ_DIM, tag="tp")
+        else:
+            y = reduce_from_region(partial, self.comm, self.group, tag="tp")
+        return y if self.bias is None else y + self.bias  # once, after the sum
+
+
+class VocabParallelEmbedding(nn.Module):
+    """``nn.Embedding`` with the vocabulary split. ids: (batch, seq) -> (batch, seq, dim) replicated, or
+    (batch, seq / tp, dim) with ``sequence_parallel``.
+
+    Each rank looks up the ids in its range [lo, hi), zeroes the rows of the
+    others, and the ranks' partial tables are summed: exactly one rank
+    contributes each row.
+    """
+
+    def __init__(self, embedding: nn.Embedding, mesh: Mesh, sequence_parallel: bool = False) -> None:
+        super().__init__()
+        self.comm, self.group = mesh.comm, mesh.group("tp")
+        self.sequence_parallel = sequence_parallel
+        self.num_embeddings = embedding.num_embeddings
+        self.weight = _shard(embedding.weight, self.group, 0, "VocabParallelEmbedding vocabulary")
+        self.vocab_start = self.group.rank * self.weight.shape[0]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        rows = F.embedding(local.masked_fill(outside, 0), self.weight)
+        rows = rows.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return reduce_scatter_sequence(rows, self.comm, self.group, dim=SEQ_DIM, tag="tp")
+        return reduce_from_region(rows, self.comm, self.group, tag="tp")

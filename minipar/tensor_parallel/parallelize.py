@@ -1,0 +1,107 @@
+"""``parallelize(module, mesh, plan)``: make a model built for one process tensor-parallel, in place.
+
+A plan maps module-name patterns (``fnmatch``: ``"layers.*.attn.q_proj"``) to a
+style. Each matched ``nn.Linear`` / ``nn.Embedding`` is replaced by its parallel
+counterpart holding this rank's shard of the original weights, so the
+parallel model computes what the original did:
+
+    "colwise"         ColumnParallelLinear, output stays split (feeds a rowwise layer or a vocab-parallel loss)
+    "colwise_gather"  ColumnParallelLinear, output all-gathered (a replicated result)
+    "rowwise"         RowParallelLinear, input already split, output summed
+    "vocab"           VocabParallelEmbedding
+    SequenceShard(d)  keep this module, but split its output along dim d over tp (sequence parallelism
+                      for e.g. a position embedding added to sequence-split activations)
+
+Weights tied in the original model (an LM head sharing the embedding) stay
+tied when both sides are sharded the same way (vocab rows = column rows).
+With ``sequence_parallel=True`` the linear and embedding layers switch to their
+sequence-parallel forms, and every parameter of a normalisation layer
+(LayerNorm, RMSNorm) is marked so its gradient is summed over tp.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+
+import torch.nn as nn
+
+from ..mesh import Mesh
+from ..regions import scatter_to_region
+from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, mark_sequence_parallel
+
+STYLES = ("colwise", "colwise_gather", "rowwise", "vocab")
+_NORMS = (nn.LayerNorm,) + ((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ())
+
+
+@dataclass(frozen=True)
+class SequenceShard:
+    dim: int
+
+
+class _SequenceShardOutput(nn.Module):
+    def __init__(self, inner: nn.Module, mesh: Mesh, dim: int) -> None:
+        super().__init__()
+        self.inner, self.comm, self.group, self.dim = inner, mesh.comm, mesh.group("tp"), dim
+
+    def forward(self, *args, **kwargs):
+        # Backward all-gathers the gradient, so the wrapped (replicated) parameters get full gradients.
+        return scatter_to_region(self.inner(*args, **kwargs), self.comm, self.group, dim=self.dim, tag="tp")
+
+
+def parallelize(module: nn.Module, mesh: Mesh, plan: dict[str, object], sequence_parallel: bool = False) -> nn.Module:
+    """Swap the planned layers of ``module`` for tensor-parallel ones (in place); returns ``module``.
+
+    Raises ValueError, before any communication, for an unknown style, a
+    pattern that matches no module, a style that does not fit the module it
+    matched, or sizes the tp size does not divide.
+    """
+    names = [n for n, _ in module.named_modules() if n]
+    targets: list[tuple[str, object]] = []
+    for pattern, style in plan.items():
+        if style not in STYLES and not isinstance(style, SequenceShard):
+            raise ValueError(f"plan[{pattern!r}] = {style!r}: unknown style; use one of {STYLES} or SequenceShard(dim)")
+        matched = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+        if not matched:
+            raise ValueError(f"plan entry {pattern!r} matches no module of {type(module).__name__}")
+        targets += [(n, style) for n in matched]
+
+    # id(original weight) -> (its shard, shard dim, who), so tied weights stay tied
+    shared: dict[int, tuple[nn.Parameter, int, str]] = {}
+    for name, style in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = module.get_submodule(parent_name) if parent_name else module
+        old = getattr(parent, child)
+        new = _convert(old, style, mesh, sequence_parallel, name)
+        if isinstance(style, str):
+            dim = 1 if style == "rowwise" else 0
+            if id(old.weight) in shared:
+                param, other_dim, other = shared[id(old.weight)]
+                if other_dim != dim:
+                    raise ValueError(f"{name!r} and {other!r} share a weight but the plan shards it along "
+                                     f"different dims ({dim} and {other_dim}); give them compatible styles")
+                new.weight = param
+            else:
+                shared[id(old.weight)] = (new.weight, dim, name)
+        setattr(parent, child, new)
+
+    if sequence_parallel:
+        for m in module.modules():
+            if isinstance(m, _NORMS):
+                for p in m.parameters():
+                    mark_sequence_parallel(p)
+    return module
+
+
+def _convert(old: nn.Module, style, mesh: Mesh, sequence_parallel: bool, name: str) -> nn.Module:
+    if isinstance(style, SequenceShard):
+        return _SequenceShardOutput(old, mesh, style.dim) if sequence_parallel else old
+    want = nn.Embedding if style == "vocab" else nn.Linear
+    if not isinstance(old, want):
+        raise ValueError(f"plan style {style!r} needs an nn.{want.__name__}, but {name!r} is {type(old).__name__}")
+    if style == "vocab":
+        return VocabParallelEmbedding(old, mesh, sequence_parallel=sequence_parallel)
+    if style == "rowwise":
+        return RowParallelLinear(old, mesh, input_is_parallel=True, sequence_parallel=sequence_parallel)
+    return ColumnParallelLinear(old, mesh, gather_output=style == "colwise_gather",
+                                sequence_parallel=sequence_parallel)
