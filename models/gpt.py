@@ -119,8 +119,10 @@ class GPT(nn.Module):
         if sequence_parallel and cfg.block_size % tp:
             raise ValueError(f"block_size={cfg.block_size} must be divisible by tp={tp} for sequence parallelism")
         plan: dict = {"wte": "vocab", "lm_head": "colwise_gather" if gather_logits else "colwise",
-                      "layers.*.attn.q_proj": "colwise", "layers.*.attn.k_proj": "colwise",
-                      "layers.*.attn.v_proj": "colwise", "layers.*.attn.o_proj": "rowwise",
+                      # q, k and v read one input: it enters the tp region once, for all three
+                      "layers.*.attn": "enter_region", "layers.*.attn.q_proj": "colwise_in_region",
+                      "layers.*.attn.k_proj": "colwise_in_region", "layers.*.attn.v_proj": "colwise_in_region",
+                      "layers.*.attn.o_proj": "rowwise",
                       "layers.*.mlp.fc": "colwise", "layers.*.mlp.proj": "rowwise"}
         if sequence_parallel:
             plan["wpe"] = SequenceShard(0)

@@ -52,24 +52,36 @@ def _shard(full: torch.Tensor, group: AxisGroup, dim: int, what: str) -> nn.Para
     return p
 
 
+def enter_region(x: torch.Tensor, comm, group: AxisGroup, sequence_parallel: bool) -> torch.Tensor:
+    """Make a replicated (or, with sequence parallelism, sequence-split) input whole for column-parallel work.
+
+    Several column-parallel layers reading one input (q, k, v) should enter
+    once, before all of them: then backward sums their input gradients once,
+    not once per layer (see the "enter_region" plan style).
+    """
+    if sequence_parallel:
+        return gather_sequence(x, comm, group, dim=SEQ_DIM, tag="tp")
+    return copy_to_region(x, comm, group, tag="tp")
+
+
 class ColumnParallelLinear(nn.Module):
     """``nn.Linear`` with output features split. x: (..., in) replicated -> (..., out / tp), or (..., out)
-    with ``gather_output``. With ``sequence_parallel`` x is (batch, seq / tp, in)."""
+    with ``gather_output``. With ``sequence_parallel`` x is (batch, seq / tp, in). With
+    ``input_in_region`` the input has already entered the region (`enter_region`) and is used as is."""
 
     def __init__(self, linear: nn.Linear, mesh: Mesh, gather_output: bool = False,
-                 sequence_parallel: bool = False) -> None:
+                 sequence_parallel: bool = False, input_in_region: bool = False) -> None:
         super().__init__()
         self.comm, self.group = mesh.comm, mesh.group("tp")
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
+        self.input_in_region = input_in_region
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = _shard(linear.weight, self.group, 0, "ColumnParallelLinear out_features")
         self.bias = None if linear.bias is None else _shard(linear.bias, self.group, 0, "bias")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:
-            x = gather_sequence(x, self.comm, self.group, dim=SEQ_DIM, tag="tp")
-        else:
-            x = copy_to_region(x, self.comm, self.group, tag="tp")
+        if not self.input_in_region:
+            x = enter_region(x, self.comm, self.group, self.sequence_parallel)
         y = F.linear(x, self.weight, self.bias)
         return gather_from_region(y, self.comm, self.group, dim=-1, tag="tp") if self.gather_output else y
 

@@ -7,10 +7,14 @@ parallel model computes what the original did:
 
     "colwise"         ColumnParallelLinear, output stays split (feeds a rowwise layer or a vocab-parallel loss)
     "colwise_gather"  ColumnParallelLinear, output all-gathered (a replicated result)
+    "colwise_in_region"  ColumnParallelLinear whose input already entered the region (see "enter_region")
+    "enter_region"    keep this module; its first input enters the tp region once (identity forward,
+                      all-reduce backward; all-gather / reduce-scatter under sequence parallelism), so the
+                      colwise_in_region layers inside it (q, k, v) share one collective instead of three
     "rowwise"         RowParallelLinear, input already split, output summed
     "vocab"           VocabParallelEmbedding
-    SequenceShard(d)  keep this module, but split its output along dim d over tp (sequence parallelism
-                      for e.g. a position embedding added to sequence-split activations)
+    SequenceShard(d)  keep this module, but (under sequence parallelism) split its output along dim d
+                      over tp, e.g. a position embedding added to sequence-split activations
 
 Weights tied in the original model (an LM head sharing the embedding) stay
 tied when both sides are sharded the same way (vocab rows = column rows).
@@ -28,9 +32,10 @@ import torch.nn as nn
 
 from ..mesh import Mesh
 from ..regions import scatter_to_region
-from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, mark_sequence_parallel
+from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, enter_region, \
+    mark_sequence_parallel
 
-STYLES = ("colwise", "colwise_gather", "rowwise", "vocab")
+STYLES = ("colwise", "colwise_gather", "colwise_in_region", "rowwise", "vocab", "enter_region")
 _NORMS = (nn.LayerNorm,) + ((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ())
 
 
@@ -39,14 +44,11 @@ class SequenceShard:
     dim: int
 
 
-class _SequenceShardOutput(nn.Module):
-    def __init__(self, inner: nn.Module, mesh: Mesh, dim: int) -> None:
-        super().__init__()
-        self.inner, self.comm, self.group, self.dim = inner, mesh.comm, mesh.group("tp"), dim
-
-    def forward(self, *args, **kwargs):
-        # Backward all-gathers the gradient, so the wrapped (replicated) parameters get full gradients.
-        return scatter_to_region(self.inner(*args, **kwargs), self.comm, self.group, dim=self.dim, tag="tp")
+def _split_output_hook(mesh: Mesh, dim: int):
+    def hook(module: nn.Module, args, output):
+        # Backward all-gathers the gradient, so the module's (replicated) parameters get full gradients.
+        return scatter_to_region(output, mesh.comm, mesh.group("tp"), dim=dim, tag="tp")
+    return hook
 
 
 def parallelize(module: nn.Module, mesh: Mesh, plan: dict[str, object], sequence_parallel: bool = False) -> nn.Module:
@@ -73,7 +75,7 @@ def parallelize(module: nn.Module, mesh: Mesh, plan: dict[str, object], sequence
         parent = module.get_submodule(parent_name) if parent_name else module
         old = getattr(parent, child)
         new = _convert(old, style, mesh, sequence_parallel, name)
-        if isinstance(style, str):
+        if isinstance(style, str) and style != "enter_region":
             dim = 1 if style == "rowwise" else 0
             if id(old.weight) in shared:
                 param, other_dim, other = shared[id(old.weight)]
@@ -94,8 +96,15 @@ def parallelize(module: nn.Module, mesh: Mesh, plan: dict[str, object], sequence
 
 
 def _convert(old: nn.Module, style, mesh: Mesh, sequence_parallel: bool, name: str) -> nn.Module:
-    if isinstance(style, SequenceShard):
-        return _SequenceShardOutput(old, mesh, style.dim) if sequence_parallel else old
+    if isinstance(style, SequenceShard):  # a hook, not a wrapper: parameter names stay as they were
+        if sequence_parallel:
+            old.register_forward_hook(_split_output_hook(mesh, style.dim))
+        return old
+    if style == "enter_region":
+        def pre_hook(module, args):
+            return (enter_region(args[0], mesh.comm, mesh.group("tp"), sequence_parallel),) + tuple(args[1:])
+        old.register_forward_pre_hook(pre_hook)
+        return old
     want = nn.Embedding if style == "vocab" else nn.Linear
     if not isinstance(old, want):
         raise ValueError(f"plan style {style!r} needs an nn.{want.__name__}, but {name!r} is {type(old).__name__}")
@@ -104,4 +113,4 @@ def _convert(old: nn.Module, style, mesh: Mesh, sequence_parallel: bool, name: s
     if style == "rowwise":
         return RowParallelLinear(old, mesh, input_is_parallel=True, sequence_parallel=sequence_parallel)
     return ColumnParallelLinear(old, mesh, gather_output=style == "colwise_gather",
-                                sequence_parallel=sequence_parallel)
+                                sequence_parallel=sequence_parallel, input_in_region=style == "colwise_in_region")

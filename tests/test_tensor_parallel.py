@@ -1,0 +1,169 @@
+"""Tensor parallelism on the GPT: for any shape and tp in {1, 2, 4}, with and without sequence
+parallelism, the parallelized model trained for several steps equals the single-process model.
+
+Every tp rank sees the same batch (tensor parallelism splits the model, not the data). The
+reference is the same GPT from the same seed in this process; gradients and parameters of the
+parallel model are gathered back to full tensors along each shard's dim before comparing.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import example, given, strategies as st
+
+from minipar import Mesh
+from minipar.models import GPT, GPTConfig, gpt_loss
+from minipar.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, parallelize,
+                                     sync_sequence_parallel_grads, vocab_parallel_cross_entropy)
+from minipar.tensor_parallel.grads import clip_grad_norm_
+
+from helpers import EPS, LR, WD
+
+
+def _shard_dim(model, name: str) -> int | None:
+    owner = model.get_submodule(name.rpartition(".")[0])
+    if isinstance(owner, RowParallelLinear):
+        return 1 if name.endswith("weight") else None
+    if isinstance(owner, (ColumnParallelLinear, VocabParallelEmbedding)):
+        return 0
+    return None
+
+
+def _full(model, mesh, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Gather each tensor-parallel shard back into the full tensor (replicated ones as they are)."""
+    out = {}
+    for name, t in tensors.items():
+        dim = _shard_dim(model, name)
+        if dim is None or mesh.tp == 1:
+            out[name] = t.detach().cpu().clone()
+            continue
+        parts = [torch.empty_like(t) for _ in range(mesh.tp)]
+        dist.all_gather(parts, t.detach().contiguous(), group=mesh.group("tp").pg)
+        out[name] = torch.cat(parts, dim).cpu()
+    return out
+
+
+def _train_tp(ctx, cfg: dict, data: torch.Tensor, sequence_parallel: bool, max_norm: float, norm_type: float):
+    mesh = Mesh(tp=ctx.world_size)
+    model = GPT(GPTConfig(**cfg))
+    parallelize(model, mesh, model.tp_plan(mesh.tp, sequence_parallel=sequence_parallel),
+                sequence_parallel=sequence_parallel)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, eps=EPS)
+    losses, norms, grads = [], [], None
+    for s in range(data.shape[0]):
+        x = data[s].to(ctx.device)
+        loss = vocab_parallel_cross_entropy(model(x[:, :-1]), x[:, 1:], mesh.comm, mesh.group("tp"))
+        loss.backward()
+        sync_sequence_parallel_grads(model, mesh)
+        grads = _full(model, mesh, {n: p.grad for n, p in model.named_parameters()})
+        norms.append(clip_grad_norm_(model, mesh, max_norm, norm_type).item())
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    params = _full(model, mesh, dict(model.named_parameters()))
+    tied = model.lm_head.weight is model.wte.weight
+    mesh.destroy()
+    return losses, norms, grads, params, tied
+
+
+def _train_reference(cfg: dict, data: torch.Tensor, max_norm: float, norm_type: float):
+    model = GPT(GPTConfig(**cfg))
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, eps=EPS)
+    losses, norms, grads = [], [], None
+    for s in range(data.shape[0]):
+        x = data[s]
+        loss = gpt_loss(model(x[:, :-1]), x[:, 1:])
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type).item())
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, norms, grads, dict(model.named_parameters())
+
+
+@st.composite
+def tp_cases(draw):
+    tp = draw(st.sampled_from([1, 2, 4]))
+    heads = tp * draw(st.integers(1, 2))
+    seq = tp * draw(st.integers(1, 3))  # sequence parallelism splits the sequence
+    return dict(tp=tp, sequence_parallel=draw(st.booleans()), norm_type=draw(st.sampled_from([2.0, 1.0, math.inf])),
+                cfg=dict(vocab_size=tp * draw(st.integers(3, 17)), block_size=seq, n_layer=draw(st.integers(1, 2)),
+                         n_head=heads, n_embd=heads * draw(st.sampled_from([4, 8])), bias=draw(st.booleans()),
+                         tie_weights=draw(st.booleans()), seed=draw(st.integers(0, 2**16))),
+                batch=draw(st.integers(1, 3)), data_seed=draw(st.integers(0, 2**16)))
+
+
+_CASE = dict(norm_type=2.0, batch=2, data_seed=3, cfg=dict(vocab_size=20, block_size=4, n_layer=2, n_head=4,
+                                                           n_embd=16, bias=True, tie_weights=True, seed=1))
+
+
+@given(case=tp_cases())
+@example(case={**_CASE, "tp": 4, "sequence_parallel": True})
+@example(case={**_CASE, "tp": 2, "sequence_parallel": False, "norm_type": math.inf})
+def test_tensor_parallel_gpt_equals_single_process(pools, case):
+    """Losses, gradient norms (each replicated parameter counted once), gradients and parameters
+    after three AdamW steps with clipping equal the single-process GPT; a tied head stays tied."""
+    cfg = case["cfg"]
+    data = torch.randint(0, cfg["vocab_size"], (3, case["batch"], cfg["block_size"] + 1),
+                         generator=torch.Generator().manual_seed(case["data_seed"]))
+    max_norm = 0.05 if case["norm_type"] != 1.0 else 0.5
+    ref = _train_reference(cfg, data, max_norm, case["norm_type"])
+    assert max(ref[1]) > max_norm, "clipping must fire for this test to mean anything"
+    f32 = lambda xs: torch.tensor(xs, dtype=torch.float32)  # noqa: E731
+    for rank, (losses, norms, grads, params, tied) in enumerate(
+            pools.run(case["tp"], _train_tp, cfg, data, case["sequence_parallel"], max_norm, case["norm_type"])):
+        assert tied == cfg["tie_weights"]
+        torch.testing.assert_close(f32(losses), f32(ref[0]), msg=lambda m: f"rank {rank} losses: {m}")
+        torch.testing.assert_close(f32(norms), f32(ref[1]), msg=lambda m: f"rank {rank} norms: {m}")
+        for name, g in ref[2].items():
+            torch.testing.assert_close(grads[name], g, msg=lambda m: f"rank {rank} grad {name}: {m}")
+        for name, p in ref[3].items():
+            torch.testing.assert_close(params[name], p.detach(), msg=lambda m: f"rank {rank} {name}: {m}")
+
+
+def test_sizes_tp_does_not_divide_are_refused():
+    model = GPT(GPTConfig(vocab_size=21, block_size=4, n_layer=1, n_head=2, n_embd=8))
+    with pytest.raises(ValueError, match="vocab_size=21 is not divisible by tp=2"):
+        model.tp_plan(2)
+    with pytest.raises(ValueError, match="n_head=2 is not divisible by tp=4"):
+        GPT(GPTConfig(vocab_size=20, block_size=4, n_layer=1, n_head=2, n_embd=8)).tp_plan(4)
+    with pytest.raises(ValueError, match="block_size=4 must be divisible by tp=8"):
+        GPT(GPTConfig(vocab_size=24, block_size=4, n_layer=1, n_head=8, n_embd=16)).tp_plan(8, sequence_parallel=True)
+
+
+def _volume(ctx, sequence_parallel: bool):
+    mesh = Mesh(tp=ctx.world_size)
+    cfg = GPTConfig(vocab_size=16, block_size=8, n_layer=2, n_head=2, n_embd=8, bias=False)
+    model = parallelize(GPT(cfg), mesh, GPT(cfg).tp_plan(mesh.tp, sequence_parallel=sequence_parallel),
+                        sequence_parallel=sequence_parallel)
+    x = torch.randint(0, 16, (3, 9))
+    with mesh.comm.counting() as fwd:
+        logits = model(x[:, :-1])
+    with mesh.comm.counting() as bwd:
+        logits.float().pow(2).mean().backward()
+    mesh.destroy()
+    return [(r.op, r.bytes) for r in fwd.records], [(r.op, r.bytes) for r in bwd.records]
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_communication_per_layer_matches_theory(pools, sequence_parallel):
+    """Per transformer layer, forward: two reductions of batch*seq*hidden elements (after attention
+    and after the MLP); backward the same two on the way back (before q/k/v and before fc). With
+    sequence parallelism the same bytes travel as all-gathers and reduce-scatters."""
+    b, t, c, layers = 3, 8, 8, 2
+    act = b * t * c * 4  # bytes of one (batch, seq, hidden) fp32 activation
+    fwd, bwd = pools.run(2, _volume, sequence_parallel)[0]
+    if not sequence_parallel:
+        # embedding all-reduce, then two per layer
+        assert fwd == [("all_reduce", act)] * (1 + 2 * layers)
+        assert bwd.count(("all_reduce", act)) == 2 * layers + 1  # + the LM head's input gradient
+    else:
+        per_layer_fwd = [("all_gather", act), ("reduce_scatter", act)] * 2
+        assert fwd == [("reduce_scatter", act)] + per_layer_fwd * layers + [("all_gather", act)]
+        assert sorted(bwd) == sorted([("all_gather", act), ("reduce_scatter", act)] * (2 * layers + 1)
+                                     + [("all_gather", t * c * 4)])  # + the position embedding's gradient
