@@ -60,6 +60,17 @@ class FlatLayout:
             off += p.numel()
         return out
 
+    def local_pieces(self) -> list[tuple[nn.Parameter, int, int]]:
+        """(parameter, start, end) for each parameter overlapping this rank's shard; start/end index the shard."""
+        out, off = [], 0
+        lo, hi = self.lo, self.lo + self.real_len
+        for p in self.params:
+            a, b = max(off, lo), min(off + p.numel(), hi)
+            if a < b:
+                out.append((p, a - lo, b - lo))
+            off += p.numel()
+        return out
+
     def flatten(self, tensors: list[torch.Tensor], dtype: torch.dtype, device) -> torch.Tensor:
         """A new padded full flat buffer holding ``tensors`` (one per parameter) end to end."""
         flat = torch.zeros(self.padded, dtype=dtype, device=device)

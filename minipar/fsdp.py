@@ -73,7 +73,7 @@ class Zero3(ShardedState):
 
     def __init__(self, module: nn.Module, mesh: Mesh, policy: MixedPrecision, offload: bool,
                  wrap_policy: Any = None, reshard_after_forward: bool = True) -> None:
-        super().__init__(mesh.comm, mesh.group("dp"), mesh.world, policy, offload)
+        super().__init__(mesh.comm, mesh.group("dp"), mesh.world, mesh.group("tp"), policy, offload)
         unit_modules = select_units(module, wrap_policy)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.comm.check_same("the zero3 configuration", {

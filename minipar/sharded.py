@@ -25,6 +25,7 @@ from .ddp import DataParallel
 from .mesh import Mesh
 from .precision import FP32, MixedPrecision
 from .sharded_optim import ShardedOptimizer, ShardedState
+from .tensor_parallel import clip_grad_norm_ as tp_clip_grad_norm_, parallelize, vocab_parallel_cross_entropy
 from .zero import Zero1, Zero2
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")  # "fsdp" is another name for "zero3"
@@ -46,7 +47,8 @@ class ShardedModule(nn.Module):
 
     def __init__(self, module: nn.Module, *, mesh: Mesh | None = None, strategy: str = "ddp",
                  bucket_cap_mb: float = 25.0, mixed_precision: MixedPrecision | None = None,
-                 cpu_offload: bool = False, wrap_policy=None, reshard_after_forward: bool = True) -> None:
+                 cpu_offload: bool = False, wrap_policy=None, reshard_after_forward: bool = True,
+                 tp_plan: dict | None = None, sequence_parallel: bool = False) -> None:
         super().__init__()
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
@@ -65,12 +67,17 @@ class ShardedModule(nn.Module):
             raise ValueError("mixed_precision must be a minipar.MixedPrecision(param_dtype=..., reduce_dtype=...)")
         if mesh is None:
             mesh = Mesh()
-        if mesh.tp != 1 or mesh.pp != 1:
-            raise ValueError(f"{mesh!r}: tensor and pipeline parallelism are not available yet; "
-                             "build the mesh with tp=1 and pp=1")
+        if mesh.pp != 1:
+            raise ValueError(f"{mesh!r}: pipeline parallelism is not available yet; build the mesh with pp=1")
+        if mesh.tp > 1 and tp_plan is None and not hasattr(module, "tp_plan"):
+            raise ValueError(f"the mesh has tp={mesh.tp} but {type(module).__name__} has no tp_plan(); pass "
+                             "tp_plan={'module.pattern': 'colwise' | 'rowwise' | 'vocab', ...}")
         self.mesh = mesh
         self.strategy_name = strategy
         self.module = module.to(mesh.device)
+        if mesh.tp > 1:  # tensor parallelism first: the data-parallel strategy then sees this rank's shards
+            plan = tp_plan if tp_plan is not None else module.tp_plan(mesh.tp, sequence_parallel=sequence_parallel)
+            parallelize(self.module, mesh, plan, sequence_parallel=sequence_parallel)
         policy = mixed_precision or FP32
         self._cast_inputs_to = policy.param_dtype if policy.param_dtype != torch.float32 else None
         if strategy == "ddp":
@@ -123,7 +130,21 @@ class ShardedModule(nn.Module):
         """Clip gradients by their global norm (over every shard, padding excluded); returns the norm."""
         if isinstance(self.strategy, ShardedState):
             return self.strategy.clip_grad_norm_(max_norm, norm_type)
+        if self.mesh.tp > 1:  # shards summed over tp, replicated parameters counted once
+            return tp_clip_grad_norm_(self.module, self.mesh, max_norm, norm_type)
         return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm, norm_type)
+
+    def cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
+                      label_smoothing: float = 0.0) -> torch.Tensor:
+        """Mean token cross-entropy for this layout: vocab-parallel when tp > 1 (the logits stay split).
+
+        logits: (..., vocab) or (..., vocab / tp); targets: (...).
+        """
+        if self.mesh.tp > 1:
+            return vocab_parallel_cross_entropy(logits, targets, self.mesh.comm, self.mesh.group("tp"),
+                                                ignore_index=ignore_index, label_smoothing=label_smoothing)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(),
+                                                 ignore_index=ignore_index, label_smoothing=label_smoothing)
 
     def memory_stats(self) -> dict[str, int]:
         """{"params", "grads", "optimizer"}: bytes of persistent state this rank holds (no transient buffers)."""
@@ -136,7 +157,15 @@ class ShardedModule(nn.Module):
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The wrapped module's state dict with full tensors (fp32 masters under ZeRO), on every rank."""
+        """The wrapped module's state dict with full tensors (fp32 masters under ZeRO, tensor-parallel
+        shards gathered), on every rank, under the original module's names."""
         full = self.strategy.full_params() if isinstance(self.strategy, ShardedState) else {}
-        return {k: (full[id(v)] if id(v) in full else v.detach()).clone()
-                for k, v in self.module.state_dict(keep_vars=True).items()}
+        out = {}
+        for k, v in self.module.state_dict(keep_vars=True).items():
+            t = (full[id(v)] if id(v) in full else v.detach()).clone()
+            if getattr(v, "tensor_parallel", False) and self.mesh.tp > 1:
+                parts = torch.empty((self.mesh.tp,) + tuple(t.shape), dtype=t.dtype, device=t.device)
+                self.mesh.comm.all_gather(parts, t.unsqueeze(0), self.mesh.group("tp"), tag="state_dict")
+                t = torch.cat(parts.unbind(0), dim=v.tensor_parallel_dim)
+            out[k] = t
+        return out

@@ -107,9 +107,9 @@ class ShardedState:
 
     stage: int
 
-    def __init__(self, comm: Comm, group: AxisGroup, world: AxisGroup, policy: MixedPrecision,
+    def __init__(self, comm: Comm, group: AxisGroup, world: AxisGroup, tp: AxisGroup, policy: MixedPrecision,
                  offload: bool) -> None:
-        self.comm, self.group, self.world = comm, group, world
+        self.comm, self.group, self.world, self.tp = comm, group, world, tp
         self.policy, self.offload = policy, offload
         self.scaler = LossScaler(policy.init_scale, policy.growth_interval, policy.uses_loss_scaling)
         self.groups: list[ShardGroup] = []
@@ -153,21 +153,25 @@ class ShardedState:
         return self._found_inf
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip by the norm of the whole (unsharded, unpadded) gradient; returns that norm on every rank."""
+        """Clip by the norm of the whole (unsharded, unpadded) gradient; returns that norm on every rank.
+
+        Under tensor parallelism the pieces of tp-sharded parameters are summed
+        over tp as well, replicated parameters counted once.
+        """
         self.unscale_()
-        norm_type = float(norm_type)
+        inf = math.isinf(float(norm_type))
         device = self.groups[0].shard.device
-        local = torch.zeros(1, dtype=torch.float32, device=device)
+        parts = torch.zeros(2, dtype=torch.float32, device=device)  # [tp-sharded, tp-replicated]
         for g in self.groups:
-            if g.layout.real_len == 0:
-                continue
-            gr = g.real_grad.float()
-            if math.isinf(norm_type):
-                local = torch.maximum(local, gr.abs().max().reshape(1))
-            else:
-                local += gr.abs().pow(norm_type).sum()
-        self.comm.all_reduce(local, self.group, op="max" if math.isinf(norm_type) else "sum", tag="grad_norm")
-        total = local[0] if math.isinf(norm_type) else local[0].pow(1.0 / norm_type)
+            for p, a, b in g.layout.local_pieces():
+                piece = g.grad_shard[a:b].float().abs()
+                i = 0 if getattr(p, "tensor_parallel", False) else 1
+                parts[i] = torch.maximum(parts[i], piece.max()) if inf else parts[i] + piece.pow(norm_type).sum()
+        op = "max" if inf else "sum"
+        self.comm.all_reduce(parts, self.group, op=op, tag="grad_norm")
+        sharded = parts[:1].clone()
+        self.comm.all_reduce(sharded, self.tp, op=op, tag="grad_norm")
+        total = torch.maximum(sharded[0], parts[1]) if inf else (sharded[0] + parts[1]).pow(1.0 / norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # as torch.nn.utils.clip_grad_norm_
         for g in self.groups:
             g.grad_shard.mul_(coef.to(g.grad_shard.dtype))

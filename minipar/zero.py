@@ -78,7 +78,7 @@ class Zero1(_ReplicatedParams):
     stage = 1
 
     def __init__(self, module: nn.Module, mesh: Mesh, policy: MixedPrecision, offload: bool) -> None:
-        super().__init__(mesh.comm, mesh.group("dp"), mesh.world, policy, offload)
+        super().__init__(mesh.comm, mesh.group("dp"), mesh.world, mesh.group("tp"), policy, offload)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.comm.check_same("the zero1 configuration", {"policy": repr(policy), "offload": offload,
                                                         "parameters": signature(named)}, self.group)
@@ -131,7 +131,7 @@ class Zero2(_ReplicatedParams):
 
     def __init__(self, module: nn.Module, mesh: Mesh, policy: MixedPrecision, offload: bool,
                  bucket_cap_mb: float) -> None:
-        super().__init__(mesh.comm, mesh.group("dp"), mesh.world, policy, offload)
+        super().__init__(mesh.comm, mesh.group("dp"), mesh.world, mesh.group("tp"), policy, offload)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.comm.check_same("the zero2 configuration", {"policy": repr(policy), "offload": offload,
                                                         "bucket_cap_mb": bucket_cap_mb,

@@ -7,8 +7,8 @@
 from .cross_entropy import vocab_parallel_cross_entropy
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, mark_sequence_parallel
 from .parallelize import STYLES, SequenceShard, parallelize
-from .grads import sync_sequence_parallel_grads, tp_grad_norm
+from .grads import clip_grad_norm_, tp_grad_norm
 
 __all__ = ["parallelize", "SequenceShard", "STYLES", "ColumnParallelLinear", "RowParallelLinear",
            "VocabParallelEmbedding", "vocab_parallel_cross_entropy", "mark_sequence_parallel",
-           "sync_sequence_parallel_grads", "tp_grad_norm"]
+           "clip_grad_norm_", "tp_grad_norm"]

@@ -4,9 +4,9 @@ Two kinds of parameters live in a tensor-parallel model: *shards* (marked
 ``tensor_parallel``: each tp rank holds a different slice) and *replicated*
 parameters (norms, the row-parallel bias, position embeddings). For the norm
 of the whole gradient each shard's contribution is summed over tp, each
-replicated one counted once. Replicated parameters that see only a sequence
-slice (marked ``sequence_parallel``) hold partial gradients that must first be
-summed over tp.
+replicated one counted once. (Replicated parameters that see only a sequence
+slice get their gradients summed over tp by a hook: see
+``layers.mark_sequence_parallel``.)
 """
 
 from __future__ import annotations
@@ -17,20 +17,6 @@ import torch
 import torch.nn as nn
 
 from ..mesh import Mesh
-
-
-@torch.no_grad()
-def sync_sequence_parallel_grads(module: nn.Module, mesh: Mesh) -> None:
-    """Sum over tp the gradients of parameters marked ``sequence_parallel`` (one all-reduce per dtype)."""
-    grads = [p.grad for p in module.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None]
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for g in grads:
-        by_dtype.setdefault(g.dtype, []).append(g)
-    for gs in by_dtype.values():
-        flat = torch.cat([g.reshape(-1) for g in gs])
-        mesh.comm.all_reduce(flat, mesh.group("tp"), tag="sp_grads")
-        for g, piece in zip(gs, flat.split([g.numel() for g in gs])):
-            g.copy_(piece.view_as(g))
 
 
 @torch.no_grad()

@@ -20,7 +20,7 @@ backward), and the row-parallel layer reduce-scatters its output along the
 sequence (``reduce_scatter_sequence``) instead of all-reducing it. Parameters
 that then see only a sequence shard (the row-parallel bias; norms outside
 these layers) are marked ``sequence_parallel``: their gradients are partial
-sums and must be all-reduced over tp (ShardedModule does it).
+sums and are all-reduced over tp as they arrive (`mark_sequence_parallel`).
 """
 
 from __future__ import annotations
@@ -37,9 +37,20 @@ from ..regions import copy_to_region, gather_from_region, gather_sequence, reduc
 SEQ_DIM = 1  # activations are (batch, seq, features)
 
 
-def mark_sequence_parallel(p: nn.Parameter) -> None:
-    """This replicated parameter sees a sequence shard: its gradient must be summed over tp."""
-    p.sequence_parallel = True  # read by ShardedModule after backward
+def mark_sequence_parallel(p: nn.Parameter, mesh: Mesh) -> None:
+    """``p`` is replicated over tp but sees only this rank's slice of the sequence, so its gradient
+    is a partial sum: sum it over tp as it arrives (a hook on the incoming gradient, before it is
+    accumulated, so gradient accumulation and every data-parallel strategy see the full sum)."""
+    if getattr(p, "sequence_parallel", False):
+        return
+    p.sequence_parallel = True
+    comm, group = mesh.comm, mesh.group("tp")
+
+    def all_reduce_grad(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        comm.all_reduce(grad, group, tag="sp_grad")
+        return grad
+    p.register_hook(all_reduce_grad)
 
 
 def _shard(full: torch.Tensor, group: AxisGroup, dim: int, what: str) -> nn.Parameter:
@@ -48,7 +59,7 @@ def _shard(full: torch.Tensor, group: AxisGroup, dim: int, what: str) -> nn.Para
         raise ValueError(f"{what}: size {full.shape[dim]} along dim {dim} is not divisible by tp={group.size}; "
                          "choose sizes divisible by the tensor-parallel size")
     p = nn.Parameter(full.detach().chunk(group.size, dim)[group.rank].clone())
-    p.tensor_parallel = True
+    p.tensor_parallel, p.tensor_parallel_dim = True, dim
     return p
 
 
@@ -99,7 +110,7 @@ class RowParallelLinear(nn.Module):
         self.weight = _shard(linear.weight, self.group, 1, "RowParallelLinear in_features")
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
         if self.bias is not None and sequence_parallel:
-            mark_sequence_parallel(self.bias)
+            mark_sequence_parallel(self.bias, mesh)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:

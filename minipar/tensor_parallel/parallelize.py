@@ -91,7 +91,7 @@ def parallelize(module: nn.Module, mesh: Mesh, plan: dict[str, object], sequence
         for m in module.modules():
             if isinstance(m, _NORMS):
                 for p in m.parameters():
-                    mark_sequence_parallel(p)
+                    mark_sequence_parallel(p, mesh)
     return module
 
 
