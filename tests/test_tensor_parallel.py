@@ -13,6 +13,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 from hypothesis import example, given, strategies as st
 
 from minipar import Mesh, ShardedModule
@@ -211,3 +212,130 @@ def test_tensor_parallel_composes_with_data_parallel(pools, strategy, sequence_p
         assert state.keys() == ref_state.state_dict().keys()
         for k, v in ref_state.state_dict().items():
             torch.testing.assert_close(state[k], v, msg=lambda m: f"rank {rank} {k}: {m}")
+
+
+# -- a model minipar did not write ----------------------------------------------------------
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.head_dim = dim // heads
+        for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            setattr(self, n, nn.Linear(dim, dim, bias=False))
+
+    def forward(self, hidden_states, attention_mask=None):
+        q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
+        bsz, t = q.shape[:2]
+        q, k, v = (z.reshape(bsz, t, -1, self.head_dim).transpose(1, 2) for z in (q, k, v))
+        pos = torch.arange(t, dtype=torch.float32)
+        freq = pos[:, None] / (10000 ** (torch.arange(0, self.head_dim, 2) / self.head_dim))
+        cos, sin = freq.cos().repeat(1, 2), freq.sin().repeat(1, 2)
+        rot = lambda z: torch.cat([-z[..., self.head_dim // 2:], z[..., :self.head_dim // 2]], -1)  # noqa: E731
+        q, k = q * cos + rot(q) * sin, k * cos + rot(k) * sin
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(bsz, t, -1))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.gate_proj, self.up_proj = nn.Linear(dim, 2 * dim, bias=False), nn.Linear(dim, 2 * dim, bias=False)
+        self.down_proj = nn.Linear(2 * dim, dim, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaLike(nn.Module):
+    """Hugging Face Llama's layout and habits: nested names, SwiGLU, RMSNorm, rotary positions,
+    attention called with keyword arguments and reshaping with -1, an untied head. Written here,
+    not in minipar."""
+
+    def __init__(self, vocab=32, dim=16, heads=4, layers=2, seed=0):
+        super().__init__()
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(vocab, dim)
+        self.model.layers = nn.ModuleList()
+        for _ in range(layers):
+            layer = nn.Module()
+            layer.input_layernorm, layer.post_attention_layernorm = nn.RMSNorm(dim), nn.RMSNorm(dim)
+            layer.self_attn, layer.mlp = LlamaAttention(dim, heads), LlamaMLP(dim)
+            self.model.layers.append(layer)
+        self.model.norm = nn.RMSNorm(dim)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1 if p.dim() > 1 else torch.ones(p.shape))
+
+    def forward(self, ids):
+        h = self.model.embed_tokens(ids)
+        for layer in self.model.layers:
+            h = h + layer.self_attn(hidden_states=layer.input_layernorm(h), attention_mask=None)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.lm_head(self.model.norm(h))
+
+
+LLAMA_PLAN = {
+    "model.embed_tokens": "vocab",
+    "model.layers.*.self_attn": "enter_region",
+    "model.layers.*.self_attn.[qkv]_proj": "colwise_in_region",
+    "model.layers.*.self_attn.o_proj": "rowwise",
+    "model.layers.*.mlp": "enter_region",
+    "model.layers.*.mlp.gate_proj": "colwise_in_region",
+    "model.layers.*.mlp.up_proj": "colwise_in_region",
+    "model.layers.*.mlp.down_proj": "rowwise",
+    "lm_head": "colwise",
+}
+
+
+def _llama(ctx, sequence_parallel: bool, ids: torch.Tensor):
+    mesh = Mesh(tp=ctx.world_size)
+    model = parallelize(LlamaLike(), mesh, LLAMA_PLAN, sequence_parallel=sequence_parallel)
+    loss = vocab_parallel_cross_entropy(model(ids[:, :-1]), ids[:, 1:], mesh.comm, mesh.group("tp"))
+    loss.backward()
+    grads = _full(model, mesh, {n: p.grad for n, p in model.named_parameters()})
+    mesh.destroy()
+    return loss.item(), grads
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_plan_parallelizes_a_model_minipar_did_not_write(pools, sequence_parallel):
+    """A Llama-style model parallelized from a plan alone computes the same loss and gradients."""
+    ids = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(2))
+    ref = LlamaLike()
+    loss = gpt_loss(ref(ids[:, :-1]), ids[:, 1:])
+    loss.backward()
+    for rank, (tp_loss, grads) in enumerate(pools.run(2, _llama, sequence_parallel, ids)):
+        torch.testing.assert_close(torch.tensor(tp_loss), loss.detach())
+        assert grads.keys() == dict(ref.named_parameters()).keys()
+        for n, p in ref.named_parameters():
+            torch.testing.assert_close(grads[n], p.grad, msg=lambda m: f"rank {rank} {n}: {m}")
+
+
+class _CallsProjectionsDirectly(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = LlamaAttention(8, 2)
+
+    def forward(self, x):
+        return self.attn.o_proj(self.attn.q_proj(x))  # bypasses attn.forward, so its region entry never runs
+
+
+def _region_misuse(ctx):
+    mesh = Mesh(tp=2)
+    out = []
+    with pytest.raises(ValueError, match="'attn.q_proj' is 'colwise_in_region' but no module above it"):
+        parallelize(_CallsProjectionsDirectly(), mesh, {"attn.q_proj": "colwise_in_region"})
+    model = parallelize(_CallsProjectionsDirectly(), mesh, {"attn": "enter_region", "attn.q_proj": "colwise_in_region",
+                                                            "attn.o_proj": "rowwise"})
+    with pytest.raises(RuntimeError, match="marked 'enter_region' but its forward did not run") as info:
+        model(torch.randn(2, 3, 8))
+    out.append(str(info.value))
+    mesh.destroy()
+    return out
+
+
+def test_a_region_entry_that_never_runs_is_an_error_not_a_wrong_gradient(pools):
+    assert all(len(o) == 1 for o in pools.run(2, _region_misuse))

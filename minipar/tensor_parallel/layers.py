@@ -86,6 +86,7 @@ class ColumnParallelLinear(nn.Module):
         self.comm, self.group = mesh.comm, mesh.group("tp")
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
         self.input_in_region = input_in_region
+        self.region: list[nn.Module] = []  # set by parallelize: the module whose input entered the region
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = _shard(linear.weight, self.group, 0, "ColumnParallelLinear out_features")
         self.bias = None if linear.bias is None else _shard(linear.bias, self.group, 0, "bias")
@@ -93,6 +94,10 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_in_region:
             x = enter_region(x, self.comm, self.group, self.sequence_parallel)
+        elif self.region and not getattr(self.region[0], "_minipar_in_region", False):
+            # Without the entry the backward all-reduce is missing and gradients are silently wrong.
+            raise RuntimeError(f"{type(self.region[0]).__name__} was marked 'enter_region' but its forward did "
+                               "not run around this layer (was it called directly?); use 'colwise' here")
         y = F.linear(x, self.weight, self.bias)
         return gather_from_region(y, self.comm, self.group, dim=-1, tag="tp") if self.gather_output else y
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass
 
+import torch
 import torch.nn as nn
 
 from ..mesh import Mesh
@@ -51,6 +52,21 @@ def _split_output_hook(mesh: Mesh, dim: int):
     return hook
 
 
+def _enter_region_hook(mesh: Mesh, sequence_parallel: bool):
+    """Pre-hook: the module's main input (first positional, else first floating-point keyword) enters the region."""
+    def hook(module, args, kwargs):
+        module._minipar_in_region = True  # checked by the colwise_in_region layers inside
+        if args:
+            return (enter_region(args[0], mesh.comm, mesh.group("tp"), sequence_parallel),) + tuple(args[1:]), kwargs
+        key = next((k for k, v in kwargs.items() if torch.is_tensor(v) and v.is_floating_point()), None)
+        if key is None:
+            raise ValueError(f"enter_region on {type(module).__name__}: its call passed no tensor to enter the region")
+        kwargs = dict(kwargs)
+        kwargs[key] = enter_region(kwargs[key], mesh.comm, mesh.group("tp"), sequence_parallel)
+        return args, kwargs
+    return hook
+
+
 def parallelize(module: nn.Module, mesh: Mesh, plan: dict[str, object], sequence_parallel: bool = False) -> nn.Module:
     """Swap the planned layers of ``module`` for tensor-parallel ones (in place); returns ``module``.
 
@@ -68,6 +84,16 @@ def parallelize(module: nn.Module, mesh: Mesh, plan: dict[str, object], sequence
             raise ValueError(f"plan entry {pattern!r} matches no module of {type(module).__name__}")
         targets += [(n, style) for n in matched]
 
+    regions = [n for n, style in targets if style == "enter_region"]
+    region_of: dict[str, nn.Module] = {}
+    for name, style in targets:
+        if style == "colwise_in_region":
+            owner = max((r for r in regions if name.startswith(r + ".")), key=len, default=None)
+            if owner is None:
+                raise ValueError(f"plan: {name!r} is 'colwise_in_region' but no module above it is 'enter_region'; "
+                                 "mark its parent 'enter_region' or use 'colwise'")
+            region_of[name] = module.get_submodule(owner)
+
     # id(original weight) -> (its shard, shard dim, who), so tied weights stay tied
     shared: dict[int, tuple[nn.Parameter, int, str]] = {}
     for name, style in targets:
@@ -75,6 +101,8 @@ def parallelize(module: nn.Module, mesh: Mesh, plan: dict[str, object], sequence
         parent = module.get_submodule(parent_name) if parent_name else module
         old = getattr(parent, child)
         new = _convert(old, style, mesh, sequence_parallel, name)
+        if name in region_of:
+            new.region = [region_of[name]]  # a list: not registered as a submodule
         if isinstance(style, str) and style != "enter_region":
             dim = 1 if style == "rowwise" else 0
             if id(old.weight) in shared:
@@ -101,9 +129,8 @@ def _convert(old: nn.Module, style, mesh: Mesh, sequence_parallel: bool, name: s
             old.register_forward_hook(_split_output_hook(mesh, style.dim))
         return old
     if style == "enter_region":
-        def pre_hook(module, args):
-            return (enter_region(args[0], mesh.comm, mesh.group("tp"), sequence_parallel),) + tuple(args[1:])
-        old.register_forward_pre_hook(pre_hook)
+        old.register_forward_pre_hook(_enter_region_hook(mesh, sequence_parallel), with_kwargs=True)
+        old.register_forward_hook(lambda module, args, output: setattr(module, "_minipar_in_region", False))
         return old
     want = nn.Embedding if style == "vocab" else nn.Linear
     if not isinstance(old, want):
