@@ -339,3 +339,48 @@ def _region_misuse(ctx):
 
 def test_a_region_entry_that_never_runs_is_an_error_not_a_wrong_gradient(pools):
     assert all(len(o) == 1 for o in pools.run(2, _region_misuse))
+
+
+# -- dropout randomness ---------------------------------------------------------------------
+
+
+def _dropout(ctx, sequence_parallel: bool):
+    torch.manual_seed(1000 + ctx.rank)  # the global RNG differs per rank: masks must not depend on it
+    mesh = Mesh(tp=2)
+    cfg = GPTConfig(vocab_size=16, block_size=8, n_layer=2, n_head=2, n_embd=8, dropout=0.3)
+    model = parallelize(GPT(cfg), mesh, GPT(cfg).tp_plan(2, sequence_parallel=sequence_parallel),
+                        sequence_parallel=sequence_parallel, dropout_seed=5)
+    masks = []
+    model.layers[0].drop.register_forward_hook(lambda m, a, out: masks.append((out == 0).flatten().tolist()))
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    x = torch.randint(0, 16, (2, 9), generator=torch.Generator().manual_seed(0))
+    global_before = torch.get_rng_state()
+    for _ in range(2):
+        vocab_parallel_cross_entropy(model(x[:, :-1]), x[:, 1:], mesh.comm, mesh.group("tp")).backward()
+        opt.step()
+        opt.zero_grad()
+    untouched = torch.equal(torch.get_rng_state(), global_before)
+    rng = model.tp_random
+    draws = {}
+    for region in ("replicated", "sharded"):
+        with rng.fork(region):
+            draws[region] = torch.rand(4).tolist()
+    replicated = {n: p.detach().clone() for n, p in model.named_parameters() if not getattr(p, "tensor_parallel", 0)}
+    mesh.destroy()
+    return masks, untouched, draws, replicated
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_dropout_masks_follow_the_tensor_parallel_layout(pools, sequence_parallel):
+    """Replicated activations get the same mask on every tp rank (so replicated parameters stay
+    identical), sharded ones different masks; the global RNG is left as it was."""
+    (m0, u0, d0, r0), (m1, u1, d1, r1) = pools.run(2, _dropout, sequence_parallel)
+    assert u0 and u1
+    assert d0["replicated"] == d1["replicated"] and d0["sharded"] != d1["sharded"]
+    assert m0[0] != m0[1]  # the stream moves on between steps
+    if sequence_parallel:
+        assert m0 != m1  # each rank drops its own positions
+    else:
+        assert m0 == m1  # the residual stream is replicated: one mask everywhere
+    for n in r0:
+        assert torch.equal(r0[n], r1[n]), f"replicated parameter {n} drifted between tp ranks"

@@ -18,6 +18,7 @@ parallel model computes what the original did:
 
 Weights tied in the original model (an LM head sharing the embedding) stay
 tied when both sides are sharded the same way (vocab rows = column rows).
+Dropout masks follow `TPRandom` (see ``minipar.tensor_parallel.rng``).
 With ``sequence_parallel=True`` the linear and embedding layers switch to their
 sequence-parallel forms, and every parameter of a normalisation layer
 (LayerNorm, RMSNorm) is marked so its gradient is summed over tp.
@@ -33,6 +34,7 @@ import torch.nn as nn
 
 from ..mesh import Mesh
 from ..regions import scatter_to_region
+from .rng import TPRandom
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, enter_region, \
     mark_sequence_parallel
 
@@ -67,8 +69,15 @@ def _enter_region_hook(mesh: Mesh, sequence_parallel: bool):
     return hook
 
 
-def parallelize(module: nn.Module, mesh: Mesh, plan: dict[str, object], sequence_parallel: bool = False) -> nn.Module:
+def parallelize(module: nn.Module, mesh: Mesh, plan: dict[str, object], sequence_parallel: bool = False,
+                dropout_seed: int = 0) -> nn.Module:
     """Swap the planned layers of ``module`` for tensor-parallel ones (in place); returns ``module``.
+
+    Dropout gets its randomness from a `TPRandom` seeded with ``dropout_seed``:
+    every "enter_region" module (attention, MLP: sharded activations inside)
+    runs in the per-rank "sharded" stream; every ``nn.Dropout`` outside them
+    in the "replicated" stream (the same mask on each tp rank), or the
+    "sharded" one under sequence parallelism (each rank holds other positions).
 
     Raises ValueError, before any communication, for an unknown style, a
     pattern that matches no module, a style that does not fit the module it
@@ -114,6 +123,16 @@ def parallelize(module: nn.Module, mesh: Mesh, plan: dict[str, object], sequence
             else:
                 shared[id(old.weight)] = (new.weight, dim, name)
         setattr(parent, child, new)
+
+    rng = TPRandom(mesh, dropout_seed)
+    module.tp_random = rng  # kept for inspection; plain attribute, not state
+    region_modules = [module.get_submodule(n) for n in regions]
+    inside = {id(sub) for r in region_modules for sub in r.modules()}
+    for r in region_modules:
+        rng.attach(r, "sharded")
+    for m in module.modules():
+        if isinstance(m, nn.Dropout) and id(m) not in inside:
+            rng.attach(m, "sharded" if sequence_parallel else "replicated")
 
     if sequence_parallel:
         for m in module.modules():
