@@ -185,30 +185,34 @@ def _train_dp_tp(ctx, strategy: str, cfg: dict, data: torch.Tensor, sequence_par
     for s in range(data.shape[0]):
         x = data[s, mesh.dp_rank * local:(mesh.dp_rank + 1) * local].to(ctx.device)  # dp ranks differ, tp ranks share
         losses.append(sharded.train_step(x[:, :-1], x[:, 1:], sharded.cross_entropy).item())
+        by_id = sharded.strategy.full_grads() if strategy != "ddp" else {id(p): p.grad for p in model.parameters()}
+        grads = _full(model, mesh, {n: by_id[id(p)] for n, p in model.named_parameters()})
         norms.append(sharded.clip_grad_norm_(max_norm).item())
         opt.step()
         opt.zero_grad()
     state = {k: v.cpu() for k, v in sharded.full_state_dict().items()}
     mesh.destroy()
-    return losses, norms, state
+    return losses, norms, grads, state
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 @pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "zero3"])
 def test_tensor_parallel_composes_with_data_parallel(pools, strategy, sequence_parallel):
     """dp=2 x tp=2 in one ShardedModule (the model's own plan applied, DDP or ZeRO on the dp axis):
-    losses, gradient norms and the full state dict (original names, gathered shards) after three
-    steps equal the single-process run on the global batch."""
+    losses, gradient norms, gradients and the full state dict (original names, gathered shards)
+    after three steps equal the single-process run on the global batch."""
     cfg = dict(vocab_size=26, block_size=4, n_layer=2, n_head=2, n_embd=12, bias=True, tie_weights=True, seed=4)
     data = torch.randint(0, 26, (3, 4, 5), generator=torch.Generator().manual_seed(8))
-    ref_losses, ref_norms, _, ref_params = _train_reference(cfg, data, 0.05, 2.0)
+    ref_losses, ref_norms, ref_grads, ref_params = _train_reference(cfg, data, 0.05, 2.0)
     f32 = lambda xs: torch.tensor(xs, dtype=torch.float32)  # noqa: E731
     ref_state = GPT(GPTConfig(**cfg))
     ref_state.load_state_dict({k: v.detach() for k, v in ref_params.items()}, strict=False)
-    for rank, (losses, norms, state) in enumerate(pools.run(4, _train_dp_tp, strategy, cfg, data, sequence_parallel,
-                                                            0.05)):
+    for rank, (losses, norms, grads, state) in enumerate(
+            pools.run(4, _train_dp_tp, strategy, cfg, data, sequence_parallel, 0.05)):
         torch.testing.assert_close(f32(losses), f32(ref_losses), msg=lambda m: f"rank {rank} losses: {m}")
         torch.testing.assert_close(f32(norms), f32(ref_norms), msg=lambda m: f"rank {rank} norms: {m}")
+        for n, g in ref_grads.items():
+            torch.testing.assert_close(grads[n], g, msg=lambda m: f"rank {rank} grad {n}: {m}")
         assert state.keys() == ref_state.state_dict().keys()
         for k, v in ref_state.state_dict().items():
             torch.testing.assert_close(state[k], v, msg=lambda m: f"rank {rank} {k}: {m}")
