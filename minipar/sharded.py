@@ -32,13 +32,20 @@ STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")  # "fsdp" is another nam
 
 
 class ShardedModule(nn.Module):
-    """Wrap ``module`` for data-parallel training over ``mesh``.
+    """Wrap ``module`` for training over ``mesh``: tensor parallelism on the tp axis (when tp > 1),
+    then ``strategy`` on the data-parallel axis.
 
     Args:
         module: the model, as built for one process; moved to ``mesh.device``.
         mesh: the process mesh; default: ``Mesh()`` over the initialised world (all ranks data-parallel).
-        strategy: one of ``STRATEGIES``.
-        bucket_cap_mb: gradient bucket size for DDP, in MiB (> 0).
+        strategy: one of ``STRATEGIES``: "ddp", "zero1", "zero2", "zero3" (= "fsdp").
+        bucket_cap_mb: gradient bucket size for DDP and ZeRO-2, in MiB (> 0).
+        mixed_precision: a `MixedPrecision` policy (ZeRO stages); default fp32.
+        cpu_offload: keep fp32 masters and optimizer state on the CPU and step there (ZeRO stages).
+        wrap_policy: how zero3 cuts the model into units (see `minipar.fsdp.select_units`).
+        reshard_after_forward: zero3 frees a unit's full parameters after its forward.
+        tp_plan: the tensor-parallel plan; default ``module.tp_plan(tp, sequence_parallel)``.
+        sequence_parallel: split activations along the sequence between tensor-parallel layers.
 
     Raises ValueError, on every rank and before any collective, for an unknown
     strategy, a non-positive bucket size or a module without parameters; and,
