@@ -364,13 +364,7 @@ def _rank_embedding_padding_idx(ctx, case):
         mesh.destroy()
 
 
-# BUG (left failing on purpose): VocabParallelEmbedding ignores ``embedding.padding_idx``. nn.Embedding
-# gives the padding row a zero gradient (it is never trained); the parallel layer looks the row up
-# with a plain F.embedding and no padding_idx, so whichever rank owns that row accumulates a gradient
-# for it and the tensor-parallel model drifts from the original one as soon as the optimizer steps.
-# Fix: keep ``padding_idx`` (and reject, with a ValueError, what the layer does not implement:
-# max_norm, scale_grad_by_freq, sparse) and pass the local index to F.embedding on the owning rank:
-# ``padding_idx - vocab_start`` if it lies in [0, rows) else None.
+# Regression: the layer once ignored ``padding_idx`` and trained the padding row.
 # (Parametrized rather than drawn: a failing hypothesis test spends its time shrinking.)
 @pytest.mark.parametrize("tp, vocab, dim, pad", [(1, 5, 3, 0), (2, 6, 2, 4), (4, 8, 3, 5)])
 def test_vocab_parallel_embedding_honours_padding_idx(pools, tp, vocab, dim, pad):

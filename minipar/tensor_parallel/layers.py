@@ -140,15 +140,22 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, embedding: nn.Embedding, mesh: Mesh, sequence_parallel: bool = False) -> None:
         super().__init__()
         self.comm, self.group = mesh.comm, mesh.group("tp")
+        if embedding.max_norm is not None or embedding.scale_grad_by_freq or embedding.sparse:
+            raise ValueError("VocabParallelEmbedding supports padding_idx but not max_norm, scale_grad_by_freq "
+                             "or sparse; build the nn.Embedding without them")
         self.sequence_parallel = sequence_parallel
         self.num_embeddings = embedding.num_embeddings
         self.weight = _shard(embedding.weight, self.group, 0, "VocabParallelEmbedding vocabulary")
         self.vocab_start = self.group.rank * self.weight.shape[0]
+        # The padding row never trains: only the rank that owns it needs to know.
+        pad = embedding.padding_idx
+        self.local_padding_idx = pad - self.vocab_start if pad is not None and \
+            0 <= pad - self.vocab_start < self.weight.shape[0] else None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.vocab_start
         outside = (local < 0) | (local >= self.weight.shape[0])
-        rows = F.embedding(local.masked_fill(outside, 0), self.weight)
+        rows = F.embedding(local.masked_fill(outside, 0), self.weight, padding_idx=self.local_padding_idx)
         rows = rows.masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
             return reduce_scatter_sequence(rows, self.comm, self.group, dim=SEQ_DIM, tag="tp")
