@@ -388,3 +388,21 @@ def test_dropout_masks_follow_the_tensor_parallel_layout(pools, sequence_paralle
         assert m0 == m1  # the residual stream is replicated: one mask everywhere
     for n in r0:
         assert torch.equal(r0[n], r1[n]), f"replicated parameter {n} drifted between tp ranks"
+
+
+def _half_tied(ctx):
+    mesh = Mesh(tp=2)
+    out = []
+    model = GPT(GPTConfig(vocab_size=16, block_size=4, n_layer=1, n_head=2, n_embd=8))
+    before = {n: id(m) for n, m in model.named_modules()}
+    with pytest.raises(ValueError, match="'lm_head' shares a weight with 'wte', which the plan shards"):
+        parallelize(model, mesh, {"wte": "vocab"})
+    with pytest.raises(ValueError, match="matches no module"):
+        parallelize(model, mesh, {"layers.*.mlp.fc": "colwise", "nothing.here": "rowwise"})
+    out.append({n: id(m) for n, m in model.named_modules()} == before)  # a failed plan changes nothing
+    mesh.destroy()
+    return out
+
+
+def test_half_of_a_tie_in_the_plan_is_refused_and_failed_plans_change_nothing(pools):
+    assert pools.run(2, _half_tied) == [[True], [True]]

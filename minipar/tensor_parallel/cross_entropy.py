@@ -63,7 +63,8 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, co
     """Mean cross-entropy of vocab-parallel ``logits`` (..., V / tp) against global ``targets`` (...).
 
     Equal to ``F.cross_entropy(full_logits.flatten(0, -2), targets.flatten(), ignore_index=...,
-    label_smoothing=...)`` on the full logits.
+    label_smoothing=...)`` on the full logits, except that a batch whose every target is ignored
+    gives 0 (and zero gradients), not NaN.
     """
     v_local = logits.shape[-1]
     per_token = _VocabParallelCrossEntropy.apply(logits.reshape(-1, v_local), targets.reshape(-1), comm, group,

@@ -103,26 +103,46 @@ def parallelize(module: nn.Module, mesh: Mesh, plan: dict[str, object], sequence
                                  "mark its parent 'enter_region' or use 'colwise'")
             region_of[name] = module.get_submodule(owner)
 
+    # Build every replacement first, so a plan that fails leaves the module untouched.
     # id(original weight) -> (its shard, shard dim, who), so tied weights stay tied
     shared: dict[int, tuple[nn.Parameter, int, str]] = {}
+    swaps = []
     for name, style in targets:
         parent_name, _, child = name.rpartition(".")
         parent = module.get_submodule(parent_name) if parent_name else module
         old = getattr(parent, child)
+        if style in ("enter_region",) or isinstance(style, SequenceShard):
+            continue  # hooks, added below
         new = _convert(old, style, mesh, sequence_parallel, name)
         if name in region_of:
             new.region = [region_of[name]]  # a list: not registered as a submodule
-        if isinstance(style, str) and style != "enter_region":
-            dim = 1 if style == "rowwise" else 0
-            if id(old.weight) in shared:
-                param, other_dim, other = shared[id(old.weight)]
-                if other_dim != dim:
-                    raise ValueError(f"{name!r} and {other!r} share a weight but the plan shards it along "
-                                     f"different dims ({dim} and {other_dim}); give them compatible styles")
-                new.weight = param
-            else:
-                shared[id(old.weight)] = (new.weight, dim, name)
+        dim = 1 if style == "rowwise" else 0
+        if id(old.weight) in shared:
+            param, other_dim, other = shared[id(old.weight)]
+            if other_dim != dim:
+                raise ValueError(f"{name!r} and {other!r} share a weight but the plan shards it along "
+                                 f"different dims ({dim} and {other_dim}); give them compatible styles")
+            new.weight = param
+        else:
+            shared[id(old.weight)] = (new.weight, dim, name)
+        swaps.append((parent, child, new))
+    swapped = {id(getattr(parent, child)) for parent, child, _ in swaps}
+    for n, m in module.named_modules():
+        for p in m._parameters.values():
+            if p is not None and id(p) in shared and id(m) not in swapped:
+                raise ValueError(f"{n!r} shares a weight with {shared[id(p)][2]!r}, which the plan shards, but "
+                                 f"{n!r} is not in the plan: give it a compatible style too (or untie them)")
+
+    for parent, child, new in swaps:
         setattr(parent, child, new)
+    for name, style in targets:
+        if style == "enter_region":
+            m = module.get_submodule(name)
+            m.register_forward_pre_hook(_enter_region_hook(mesh, sequence_parallel), with_kwargs=True)
+            m.register_forward_hook(lambda mod, args, output: setattr(mod, "_minipar_in_region", False))
+        elif isinstance(style, SequenceShard) and sequence_parallel:
+            # a hook, not a wrapper: parameter names stay as they were
+            module.get_submodule(name).register_forward_hook(_split_output_hook(mesh, style.dim))
 
     rng = TPRandom(mesh, dropout_seed)
     module.tp_random = rng  # kept for inspection; plain attribute, not state
@@ -142,15 +162,7 @@ def parallelize(module: nn.Module, mesh: Mesh, plan: dict[str, object], sequence
     return module
 
 
-def _convert(old: nn.Module, style, mesh: Mesh, sequence_parallel: bool, name: str) -> nn.Module:
-    if isinstance(style, SequenceShard):  # a hook, not a wrapper: parameter names stay as they were
-        if sequence_parallel:
-            old.register_forward_hook(_split_output_hook(mesh, style.dim))
-        return old
-    if style == "enter_region":
-        old.register_forward_pre_hook(_enter_region_hook(mesh, sequence_parallel), with_kwargs=True)
-        old.register_forward_hook(lambda module, args, output: setattr(module, "_minipar_in_region", False))
-        return old
+def _convert(old: nn.Module, style: str, mesh: Mesh, sequence_parallel: bool, name: str) -> nn.Module:
     want = nn.Embedding if style == "vocab" else nn.Linear
     if not isinstance(old, want):
         raise ValueError(f"plan style {style!r} needs an nn.{want.__name__}, but {name!r} is {type(old).__name__}")
