@@ -79,6 +79,12 @@ class ShardedModule(nn.Module):
         if mesh.tp > 1 and tp_plan is None and not hasattr(module, "tp_plan"):
             raise ValueError(f"the mesh has tp={mesh.tp} but {type(module).__name__} has no tp_plan(); pass "
                              "tp_plan={'module.pattern': 'colwise' | 'rowwise' | 'vocab', ...}")
+        # One small collective that every rank reaches: a layout or plan that differs between ranks
+        # fails here, on every rank, instead of hanging in the first forward.
+        mesh.comm.check_same("the ShardedModule configuration", {
+            "strategy": strategy, "bucket_cap_mb": bucket_cap_mb, "mixed_precision": repr(mixed_precision),
+            "cpu_offload": cpu_offload, "wrap_policy": repr(wrap_policy), "reshard": reshard_after_forward,
+            "tp_plan": repr(tp_plan), "sequence_parallel": sequence_parallel}, mesh.world)
         self.mesh = mesh
         self.strategy_name = strategy
         self.module = module.to(mesh.device)

@@ -406,3 +406,16 @@ def _half_tied(ctx):
 
 def test_half_of_a_tie_in_the_plan_is_refused_and_failed_plans_change_nothing(pools):
     assert pools.run(2, _half_tied) == [[True], [True]]
+
+
+def _mismatched_sp(ctx):
+    mesh = Mesh(tp=2)
+    model = GPT(GPTConfig(vocab_size=16, block_size=4, n_layer=1, n_head=2, n_embd=8))
+    with pytest.raises(ValueError, match="the ShardedModule configuration differs between ranks") as info:
+        ShardedModule(model, mesh=mesh, sequence_parallel=ctx.rank == 0)
+    mesh.destroy()
+    return str(info.value)
+
+
+def test_a_tensor_parallel_setting_that_differs_between_ranks_raises_not_hangs(pools):
+    assert all("'sequence_parallel': True" in m for m in pools.run(2, _mismatched_sp, timeout=60))
