@@ -118,7 +118,11 @@ def test_tensor_parallel_gpt_equals_single_process(pools, case):
             pools.run(case["tp"], _train_tp, cfg, data, case["sequence_parallel"], max_norm, case["norm_type"])):
         assert tied == cfg["tie_weights"]
         torch.testing.assert_close(f32(losses), f32(ref[0]), msg=lambda m: f"rank {rank} losses: {m}")
-        torch.testing.assert_close(f32(norms), f32(ref[1]), msg=lambda m: f"rank {rank} norms: {m}")
+        # An L1 norm adds |g| over every element, so each element's fp32 difference from the sharded
+        # matmuls (within the elementwise tolerance below) adds up instead of averaging out as in L2:
+        # ~1.7e-6 relative was seen on 10k elements. The gradients themselves stay at the defaults.
+        norm_tol = dict(rtol=1e-5, atol=1e-5) if case["norm_type"] == 1.0 else {}
+        torch.testing.assert_close(f32(norms), f32(ref[1]), **norm_tol, msg=lambda m: f"rank {rank} norms: {m}")
         for name, g in ref[2].items():
             torch.testing.assert_close(grads[name], g, msg=lambda m: f"rank {rank} grad {name}: {m}")
         for name, p in ref[3].items():
