@@ -15,6 +15,7 @@ the configuration and dispatches.
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any, Callable
 
 import torch
@@ -23,6 +24,7 @@ from torch.utils._pytree import tree_map
 
 from .ddp import DataParallel
 from .mesh import Mesh
+from .pipeline import SCHEDULES, GPTStage, balanced_boundaries, run_schedule, sync_tied_grads
 from .precision import FP32, MixedPrecision
 from .sharded_optim import ShardedOptimizer, ShardedState
 from .tensor_parallel import clip_grad_norm_ as tp_clip_grad_norm_, parallelize, vocab_parallel_cross_entropy
@@ -46,6 +48,8 @@ class ShardedModule(nn.Module):
         reshard_after_forward: zero3 frees a unit's full parameters after its forward.
         tp_plan: the tensor-parallel plan; default ``module.tp_plan(tp, sequence_parallel)``.
         sequence_parallel: split activations along the sequence between tensor-parallel layers.
+        schedule: the pipeline schedule when pp > 1: "1f1b" or "gpipe" (``minipar.pipeline.SCHEDULES``).
+        microbatches: micro-batches per step when pp > 1; the batch must divide by it.
 
     Raises ValueError, on every rank and before any collective, for an unknown
     strategy, a non-positive bucket size or a module without parameters; and,
@@ -55,7 +59,8 @@ class ShardedModule(nn.Module):
     def __init__(self, module: nn.Module, *, mesh: Mesh | None = None, strategy: str = "ddp",
                  bucket_cap_mb: float = 25.0, mixed_precision: MixedPrecision | None = None,
                  cpu_offload: bool = False, wrap_policy=None, reshard_after_forward: bool = True,
-                 tp_plan: dict | None = None, sequence_parallel: bool = False) -> None:
+                 tp_plan: dict | None = None, sequence_parallel: bool = False,
+                 schedule: str = "1f1b", microbatches: int = 1) -> None:
         super().__init__()
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
@@ -74,8 +79,16 @@ class ShardedModule(nn.Module):
             raise ValueError("mixed_precision must be a minipar.MixedPrecision(param_dtype=..., reduce_dtype=...)")
         if mesh is None:
             mesh = Mesh()
-        if mesh.pp != 1:
-            raise ValueError(f"{mesh!r}: pipeline parallelism is not available yet; build the mesh with pp=1")
+        if mesh.pp > 1:
+            if schedule not in SCHEDULES:
+                raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+            if not isinstance(microbatches, int) or microbatches < 1:
+                raise ValueError(f"microbatches={microbatches!r} must be a positive integer")
+            if strategy != "ddp" or mesh.tp > 1:
+                raise ValueError("pipeline parallelism composes with strategy='ddp' and tp=1 for now")
+            if not hasattr(module, "config") or not hasattr(module, "layers"):
+                raise ValueError(f"pipeline stages are cut from a minipar.models.GPT; got {type(module).__name__}")
+            balanced_boundaries(module.config.n_layer, mesh.pp)  # more stages than layers -> ValueError
         if mesh.tp > 1 and tp_plan is None and not hasattr(module, "tp_plan"):
             raise ValueError(f"the mesh has tp={mesh.tp} but {type(module).__name__} has no tp_plan(); pass "
                              "tp_plan={'module.pattern': 'colwise' | 'rowwise' | 'vocab', ...}")
@@ -84,9 +97,15 @@ class ShardedModule(nn.Module):
         mesh.comm.check_same("the ShardedModule configuration", {
             "strategy": strategy, "bucket_cap_mb": bucket_cap_mb, "mixed_precision": repr(mixed_precision),
             "cpu_offload": cpu_offload, "wrap_policy": repr(wrap_policy), "reshard": reshard_after_forward,
-            "tp_plan": repr(tp_plan), "sequence_parallel": sequence_parallel}, mesh.world)
+            "tp_plan": repr(tp_plan), "sequence_parallel": sequence_parallel, "schedule": schedule,
+            "microbatches": microbatches}, mesh.world)
         self.mesh = mesh
         self.strategy_name = strategy
+        self.schedule, self.microbatches = schedule, microbatches
+        if mesh.pp > 1:  # keep only this stage's pieces of the model
+            self._tied_shape = module.wte.weight.shape
+            self._hidden = module.config.n_embd
+            module = GPTStage(module, mesh.pp_rank, mesh.pp)
         self.module = module.to(mesh.device)
         if mesh.tp > 1:  # tensor parallelism first: the data-parallel strategy then sees this rank's shards
             plan = tp_plan if tp_plan is not None else module.tp_plan(mesh.tp, sequence_parallel=sequence_parallel)
@@ -121,6 +140,8 @@ class ShardedModule(nn.Module):
         loss of the global batch when every rank holds the same number of samples.
         The optimizer step is left to the caller.
         """
+        if self.mesh.pp > 1:
+            return self._pipeline_step(inputs, targets, loss_fn)
         loss = loss_fn(self(inputs), targets)
         scaler = getattr(self.strategy, "scaler", None)
         (loss * scaler.scale if scaler is not None and scaler.enabled else loss).backward()
@@ -128,6 +149,25 @@ class ShardedModule(nn.Module):
         group = self.mesh.group("dp")
         self.mesh.comm.all_reduce(global_loss, group, tag="loss")
         return global_loss.div_(group.size)[0]
+
+    def _pipeline_step(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Callable) -> torch.Tensor:
+        mesh, m = self.mesh, self.microbatches
+        if inputs.shape[0] % m:
+            raise ValueError(f"a batch of {inputs.shape[0]} does not split into microbatches={m}; "
+                             "use a batch size divisible by the micro-batch count")
+        stage = self.module
+        act_shape = (inputs.shape[0] // m, inputs.shape[1], self._hidden)
+        actions = SCHEDULES[self.schedule](mesh.pp, m)[mesh.pp_rank]
+        self.timeline: list = []  # (action, start, end) of this stage's last step
+        loss, self.peak_live_activations = run_schedule(stage, actions, mesh, list(inputs.chunk(m)) if stage.first else None,
+                            list(targets.chunk(m)) if stage.last else None, loss_fn, act_shape,
+                            next(stage.parameters()).dtype, no_sync=self.strategy.no_sync, timeline=self.timeline)
+        sync_tied_grads(stage, mesh, self._tied_shape)
+        # Every rank reports the global loss: the last stage's, then the mean over data-parallel ranks.
+        loss = loss.float().reshape(1)
+        mesh.comm.all_reduce(loss, mesh.group("pp"), tag="loss")
+        mesh.comm.all_reduce(loss, mesh.group("dp"), tag="loss")
+        return loss.div_(mesh.dp)[0]
 
     def build_optimizer(self, optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any):
         """The optimizer to step: ``optimizer_cls`` over the parameters this rank updates.
@@ -145,7 +185,28 @@ class ShardedModule(nn.Module):
             return self.strategy.clip_grad_norm_(max_norm, norm_type)
         if self.mesh.tp > 1:  # shards summed over tp, replicated parameters counted once
             return tp_clip_grad_norm_(self.module, self.mesh, max_norm, norm_type)
+        if self.mesh.pp > 1:
+            return self._pipeline_clip(max_norm, norm_type)
         return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm, norm_type)
+
+    @torch.no_grad()
+    def _pipeline_clip(self, max_norm: float, norm_type: float) -> torch.Tensor:
+        """One norm over every stage; the tied weight (same gradient on first and last stage) counted once."""
+        inf = math.isinf(float(norm_type))
+        skip = self.module.tied_weight() if self.module.last else None
+        local = torch.zeros(1, device=self.mesh.device)
+        for p in self.module.parameters():
+            if p.grad is None or p is skip:
+                continue
+            g = p.grad.float().abs()
+            local = torch.maximum(local, g.max().reshape(1)) if inf else local + g.pow(norm_type).sum()
+        self.mesh.comm.all_reduce(local, self.mesh.group("pp"), op="max" if inf else "sum", tag="grad_norm")
+        total = local[0] if inf else local[0].pow(1.0 / norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for p in self.module.parameters():
+            if p.grad is not None:
+                p.grad.mul_(coef)
+        return total
 
     def cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
                       label_smoothing: float = 0.0) -> torch.Tensor:
@@ -172,6 +233,10 @@ class ShardedModule(nn.Module):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The wrapped module's state dict with full tensors (fp32 masters under ZeRO, tensor-parallel
         shards gathered), on every rank, under the original module's names."""
+        if self.mesh.pp > 1:  # every stage's pieces, under the single-process names
+            parts = self.mesh.comm.all_gather_object(self.module.global_state_dict(), self.mesh.group("pp"),
+                                                     tag="state_dict")
+            return {k: v for part in parts for k, v in part.items()}
         full = self.strategy.full_params() if isinstance(self.strategy, ShardedState) else {}
         out = {}
         for k, v in self.module.state_dict(keep_vars=True).items():

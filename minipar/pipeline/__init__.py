@@ -1,5 +1,8 @@
-"""Pipeline parallelism. For now: schedules as data (`schedule.py`); the executor and stages come next."""
+"""Pipeline parallelism: schedules as data, GPT stages, and the executor that runs a schedule."""
 
+from .executor import run_schedule
 from .schedule import KINDS, SCHEDULES, Action, gpipe, one_f_one_b, simulate
+from .stage import GPTStage, balanced_boundaries, sync_tied_grads
 
-__all__ = ["Action", "KINDS", "SCHEDULES", "gpipe", "one_f_one_b", "simulate"]
+__all__ = ["Action", "KINDS", "SCHEDULES", "gpipe", "one_f_one_b", "simulate", "GPTStage", "balanced_boundaries",
+           "sync_tied_grads", "run_schedule"]
