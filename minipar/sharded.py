@@ -15,6 +15,7 @@ the configuration and dispatches.
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import math
 from typing import Any, Callable
 
@@ -84,8 +85,9 @@ class ShardedModule(nn.Module):
                 raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
             if not isinstance(microbatches, int) or microbatches < 1:
                 raise ValueError(f"microbatches={microbatches!r} must be a positive integer")
-            if strategy != "ddp" or mesh.tp > 1:
-                raise ValueError("pipeline parallelism composes with strategy='ddp' and tp=1 for now")
+            if strategy != "ddp" or sequence_parallel:
+                raise ValueError("pipeline parallelism composes with strategy='ddp' (and tp without sequence "
+                                 "parallelism) for now")
             if not hasattr(module, "config") or not hasattr(module, "layers"):
                 raise ValueError(f"pipeline stages are cut from a minipar.models.GPT; got {type(module).__name__}")
             balanced_boundaries(module.config.n_layer, mesh.pp)  # more stages than layers -> ValueError
@@ -102,13 +104,19 @@ class ShardedModule(nn.Module):
         self.mesh = mesh
         self.strategy_name = strategy
         self.schedule, self.microbatches = schedule, microbatches
+        plan = None
+        if mesh.tp > 1:
+            plan = tp_plan if tp_plan is not None else module.tp_plan(mesh.tp, sequence_parallel=sequence_parallel)
         if mesh.pp > 1:  # keep only this stage's pieces of the model
-            self._tied_shape = module.wte.weight.shape
+            v, c = module.wte.weight.shape
+            self._tied_shape = (v // mesh.tp, c)  # this rank's piece of a tied embedding/head
             self._hidden = module.config.n_embd
             module = GPTStage(module, mesh.pp_rank, mesh.pp)
+            if plan is not None:  # a stage has only some of the modules the plan names
+                names = [n for n, _ in module.named_modules() if n]
+                plan = {k: v for k, v in plan.items() if any(fnmatch.fnmatchcase(n, k) for n in names)}
         self.module = module.to(mesh.device)
-        if mesh.tp > 1:  # tensor parallelism first: the data-parallel strategy then sees this rank's shards
-            plan = tp_plan if tp_plan is not None else module.tp_plan(mesh.tp, sequence_parallel=sequence_parallel)
+        if plan is not None:  # tensor parallelism first: the data-parallel strategy then sees this rank's shards
             parallelize(self.module, mesh, plan, sequence_parallel=sequence_parallel)
         policy = mixed_precision or FP32
         self._cast_inputs_to = policy.param_dtype if policy.param_dtype != torch.float32 else None
@@ -183,24 +191,29 @@ class ShardedModule(nn.Module):
         """Clip gradients by their global norm (over every shard, padding excluded); returns the norm."""
         if isinstance(self.strategy, ShardedState):
             return self.strategy.clip_grad_norm_(max_norm, norm_type)
-        if self.mesh.tp > 1:  # shards summed over tp, replicated parameters counted once
-            return tp_clip_grad_norm_(self.module, self.mesh, max_norm, norm_type)
         if self.mesh.pp > 1:
             return self._pipeline_clip(max_norm, norm_type)
+        if self.mesh.tp > 1:  # shards summed over tp, replicated parameters counted once
+            return tp_clip_grad_norm_(self.module, self.mesh, max_norm, norm_type)
         return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm, norm_type)
 
     @torch.no_grad()
     def _pipeline_clip(self, max_norm: float, norm_type: float) -> torch.Tensor:
-        """One norm over every stage; the tied weight (same gradient on first and last stage) counted once."""
+        """One norm over every stage (tensor-parallel shards summed over tp, replicated parameters
+        once); the tied weight, whose gradient the first and last stage share, counted once."""
         inf = math.isinf(float(norm_type))
         skip = self.module.tied_weight() if self.module.last else None
-        local = torch.zeros(1, device=self.mesh.device)
+        parts = torch.zeros(2, device=self.mesh.device)  # [tp-sharded, replicated over tp]
         for p in self.module.parameters():
             if p.grad is None or p is skip:
                 continue
-            g = p.grad.float().abs()
-            local = torch.maximum(local, g.max().reshape(1)) if inf else local + g.pow(norm_type).sum()
-        self.mesh.comm.all_reduce(local, self.mesh.group("pp"), op="max" if inf else "sum", tag="grad_norm")
+            g, i = p.grad.float().abs(), 0 if getattr(p, "tensor_parallel", False) else 1
+            parts[i] = torch.maximum(parts[i], g.max()) if inf else parts[i] + g.pow(norm_type).sum()
+        op = "max" if inf else "sum"
+        sharded = parts[:1].clone()
+        self.mesh.comm.all_reduce(sharded, self.mesh.group("tp"), op=op, tag="grad_norm")
+        local = torch.maximum(sharded, parts[1:]) if inf else sharded + parts[1:]
+        self.mesh.comm.all_reduce(local, self.mesh.group("pp"), op=op, tag="grad_norm")
         total = local[0] if inf else local[0].pow(1.0 / norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for p in self.module.parameters():
@@ -233,10 +246,6 @@ class ShardedModule(nn.Module):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The wrapped module's state dict with full tensors (fp32 masters under ZeRO, tensor-parallel
         shards gathered), on every rank, under the original module's names."""
-        if self.mesh.pp > 1:  # every stage's pieces, under the single-process names
-            parts = self.mesh.comm.all_gather_object(self.module.global_state_dict(), self.mesh.group("pp"),
-                                                     tag="state_dict")
-            return {k: v for part in parts for k, v in part.items()}
         full = self.strategy.full_params() if isinstance(self.strategy, ShardedState) else {}
         out = {}
         for k, v in self.module.state_dict(keep_vars=True).items():
@@ -246,4 +255,8 @@ class ShardedModule(nn.Module):
                 self.mesh.comm.all_gather(parts, t.unsqueeze(0), self.mesh.group("tp"), tag="state_dict")
                 t = torch.cat(parts.unbind(0), dim=v.tensor_parallel_dim)
             out[k] = t
+        if self.mesh.pp > 1:  # every stage's pieces, under the single-process names
+            stages = self.mesh.comm.all_gather_object(self.module.global_names(out), self.mesh.group("pp"),
+                                                      tag="state_dict")
+            out = {k: v for part in stages for k, v in part.items()}
         return out

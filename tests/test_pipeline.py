@@ -1,11 +1,12 @@
-"""Pipeline parallelism: for pp in {2, 4}, any micro-batch count, both schedules and every layout of
-the processes over dp and pp, training equals the single-process run on the global batch."""
+"""Pipeline parallelism: for pp in {2, 4}, any micro-batch count, both schedules and the layouts of
+4 processes over dp, tp and pp (pp=4; pp=2 x dp=2; pp=2 x tp=2), training equals the single-process
+run on the global batch."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import example, given, strategies as st
 
 from minipar import Mesh, ShardedModule
 from minipar.models import GPT, GPTConfig, gpt_loss
@@ -21,7 +22,7 @@ def _train_pp(ctx, layout: dict, cfg: dict, data: torch.Tensor, schedule: str, m
     losses, norms, peaks = [], [], []
     for s in range(data.shape[0]):
         x = data[s, mesh.dp_rank * local:(mesh.dp_rank + 1) * local].to(ctx.device)
-        losses.append(model.train_step(x[:, :-1], x[:, 1:], gpt_loss).item())
+        losses.append(model.train_step(x[:, :-1], x[:, 1:], model.cross_entropy).item())  # vocab-parallel if tp
         norms.append(model.clip_grad_norm_(max_norm).item())
         opt.step()
         opt.zero_grad()
@@ -46,9 +47,11 @@ def _reference(cfg, data, max_norm):
     return losses, norms, model.state_dict()
 
 
-LAYOUTS = [(2, dict(pp=2)), (4, dict(pp=4)), (4, dict(pp=2, dp=2))]
+LAYOUTS = [(2, dict(pp=2)), (4, dict(pp=4)), (4, dict(pp=2, dp=2)), (4, dict(pp=2, tp=2))]
 
 
+@example(layout=LAYOUTS[3], schedule="1f1b", m=3, n_layer=4, tie=True, seed=1)
+@example(layout=LAYOUTS[1], schedule="gpipe", m=5, n_layer=5, tie=True, seed=2)
 @given(layout=st.sampled_from(LAYOUTS), schedule=st.sampled_from(["gpipe", "1f1b"]), m=st.integers(1, 8),
        n_layer=st.integers(4, 5), tie=st.booleans(), seed=st.integers(0, 2**16))
 def test_pipeline_equals_single_process(pools, layout, schedule, m, n_layer, tie, seed):
@@ -57,8 +60,8 @@ def test_pipeline_equals_single_process(pools, layout, schedule, m, n_layer, tie
     reference; 1F1B never holds more than pp - stage micro-batches' activations, GPipe all m."""
     world, mesh_sizes = layout
     dp = mesh_sizes.get("dp", 1)
-    cfg = dict(vocab_size=23, block_size=5, n_layer=n_layer, n_head=2, n_embd=8, tie_weights=tie, seed=seed)
-    data = torch.randint(0, 23, (3, dp * m, 6), generator=torch.Generator().manual_seed(seed + 1))
+    cfg = dict(vocab_size=24, block_size=5, n_layer=n_layer, n_head=2, n_embd=8, tie_weights=tie, seed=seed)
+    data = torch.randint(0, 24, (3, dp * m, 6), generator=torch.Generator().manual_seed(seed + 1))
     ref_losses, ref_norms, ref_state = _reference(cfg, data, 0.05)
     assert max(ref_norms) > 0.05
     f32 = lambda xs: torch.tensor(xs, dtype=torch.float32)  # noqa: E731

@@ -61,10 +61,10 @@ class GPTStage(nn.Module):
             x = block(x)
         return self.lm_head(self.ln_f(x)) if self.last else x
 
-    def global_state_dict(self) -> dict[str, torch.Tensor]:
-        """This stage's state under the single-process model's names."""
+    def global_names(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This stage's ``state`` (as from ``state_dict()``) under the single-process model's names."""
         out = {}
-        for k, v in self.state_dict().items():
+        for k, v in state.items():
             if k.startswith("layers."):
                 _, idx, rest = k.split(".", 2)
                 k = f"layers.{int(idx) + self.layer_offset}.{rest}"
