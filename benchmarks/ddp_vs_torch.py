@@ -42,6 +42,7 @@ weight on how each implementation buckets and launches its all-reduces.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -267,10 +268,12 @@ def main(argv=None) -> int:
             print(f"results written to {args.json}")
 
     dist.barrier()
-    dist.destroy_process_group()
+    minipar.shutdown()
     failed = args.check and not (ratio_ok and bytes_ok)
     return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    gc.collect()  # free what reference cycles hold (process groups) before interpreter teardown
+    sys.exit(code)

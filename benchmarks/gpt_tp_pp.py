@@ -19,6 +19,7 @@ matplotlib is installed, OUT/timeline.png.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -179,9 +180,11 @@ def main() -> int:
             print(f"timeline: {args.out}/trace.json (install matplotlib for the PNG)")
     verdict = torch.tensor([status], device=mesh.device)
     mesh.comm.broadcast(verdict, 0, mesh.world, tag="verdict")
-    dist.destroy_process_group()
+    minipar.shutdown()
     return int(verdict.item())
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    gc.collect()  # free what reference cycles hold (process groups) before interpreter teardown
+    sys.exit(code)

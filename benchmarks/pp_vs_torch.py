@@ -32,6 +32,7 @@ is counted in minipar's time.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -176,9 +177,11 @@ def main() -> int:
             print(f"results: {args.json}")
     verdict = [status]
     dist.broadcast_object_list(verdict, src=0)
-    dist.destroy_process_group()
+    minipar.shutdown()
     return int(verdict[0])
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    gc.collect()  # free what reference cycles hold (process groups) before interpreter teardown
+    sys.exit(code)

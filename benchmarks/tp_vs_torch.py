@@ -77,6 +77,7 @@ trained different functions, or the communication differs from the theory.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -642,10 +643,12 @@ def main(argv=None) -> int:
             print(f"results written to {args.json}")
 
     dist.barrier()
-    dist.destroy_process_group()
+    minipar.shutdown()
     failed = args.check and not (ratio_ok and same_function and comm_ok)
     return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    gc.collect()  # free what reference cycles hold (process groups) before interpreter teardown
+    sys.exit(code)

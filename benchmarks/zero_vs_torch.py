@@ -56,6 +56,7 @@ On CPU each rank computes with one thread, over gloo. Exit status 0; with
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -584,7 +585,7 @@ def main(argv=None) -> int:
                 json.dump(results, f, indent=2, default=str)
             print(f"\nresults written to {args.json}")
     dist.barrier()
-    dist.destroy_process_group()
+    minipar.shutdown()
     failed = args.check and not all(r["ok"] for r in ratios.values())
     return 1 if failed else 0
 
@@ -694,4 +695,6 @@ def print_tutorial_table(res: dict) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    gc.collect()  # free what reference cycles hold (process groups) before interpreter teardown
+    sys.exit(code)

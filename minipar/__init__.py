@@ -1,7 +1,7 @@
 """minipar: the parallelism strategies of large-model training, by hand, on torch.distributed.
 
 Public API:
-    init, Mesh            -- the process mesh (minipar.mesh)
+    init, Mesh, shutdown  -- the process mesh and the end of a job (minipar.mesh)
     ShardedModule         -- wrap a model with a strategy (minipar.sharded)
     Comm, CommStats       -- the counted collective layer (minipar.comm)
     regions               -- autograd-aware conjugate collectives (minipar.regions)
@@ -9,9 +9,9 @@ Public API:
 
 from . import regions
 from .comm import AxisGroup, Comm, CommStats
-from .mesh import Mesh, init
+from .mesh import Mesh, init, shutdown
 from .precision import MixedPrecision
 from .sharded import STRATEGIES, ShardedModule
 
-__all__ = ["init", "Mesh", "ShardedModule", "STRATEGIES", "MixedPrecision", "Comm", "CommStats", "AxisGroup", "regions"]
+__all__ = ["init", "shutdown", "Mesh", "ShardedModule", "STRATEGIES", "MixedPrecision", "Comm", "CommStats", "AxisGroup", "regions"]
 __version__ = "0.1.0"

@@ -24,6 +24,7 @@ world (tests do), pass it explicitly, call `destroy()` to free its groups.
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 from datetime import timedelta
@@ -142,6 +143,24 @@ def init(dp: int | None = None, tp: int = 1, pp: int = 1, ep: int = 1, backend: 
                 port = s.getsockname()[1]
             dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     return Mesh(dp=dp, tp=tp, pp=pp, ep=ep)
+
+
+def shutdown() -> None:
+    """End a job cleanly: wait for every rank, then free every process group.
+
+    Call it last, on every rank. The barrier keeps a rank from closing its
+    connections while a peer still talks to it. Freeing the groups here, while
+    the interpreter is fully alive, matters with gloo: a group kept alive by a
+    reference cycle (a module's hooks hold the mesh) is otherwise freed during
+    interpreter teardown, and its worker threads can abort the process after
+    the job has finished. Callers should also drop their own references (return
+    from ``main``) and ``gc.collect()`` before exiting.
+    """
+    if not dist.is_initialized():
+        return
+    dist.barrier()
+    dist.destroy_process_group()
+    gc.collect()
 
 
 def axis_rank_lists(axis: str, *, dp: int, tp: int = 1, pp: int = 1, ep: int = 1) -> list[list[int]]:
