@@ -32,4 +32,7 @@ def test_wheel_installs_models_and_kernels_inside_minipar(tmp_path):
     top_level = {n.split("/")[0] for n in names if not n.startswith("minipar-")}
     assert top_level == {"minipar"}
     assert "minipar/models/gpt.py" in names and "minipar/kernels/__init__.py" in names
-    assert "minipar/ddp.py" in names
+    sources = {f"minipar/{f.relative_to(ROOT / 'minipar')}" for f in (ROOT / "minipar").glob("**/*.py")}
+    sources |= {f"minipar/{d}/{f.relative_to(ROOT / d)}" for d in ("models", "kernels") for f in (ROOT / d).glob("**/*.py")}
+    missing = sorted(n for n in sources if "__pycache__" not in n and n not in names)
+    assert not missing, f"source files left out of the wheel (list their package in pyproject.toml): {missing}"
