@@ -24,6 +24,11 @@ How a step goes:
 
 ``no_sync()``: hooks still accumulate into the buckets, nothing is launched;
 the first backward outside the block all-reduces the accumulated sum once.
+
+Expert parameters (``p.expert_parallel``, from `minipar.moe`) live in buckets
+of their own, all-reduced over the ``edp`` group (the ranks holding the same
+experts) but divided by the whole dp size: an expert's local gradient already
+sums what every rank of its expert-parallel group sent it.
 """
 
 from __future__ import annotations
@@ -48,6 +53,8 @@ class Bucket:
     first_slot: int  # params[i] is slot first_slot + i of the per-parameter "used" map
     params: list[nn.Parameter]
     flat: torch.Tensor
+    group: AxisGroup
+    divisor: int  # the gradient is averaged over this many data-parallel ranks
     views: list[torch.Tensor] = field(default_factory=list)
     ready: list[bool] = field(default_factory=list)
     n_ready: int = 0
@@ -67,8 +74,14 @@ class DataParallel:
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.comm.check_same("the DDP configuration (bucket_cap_mb and the module's parameters)",
                              {"bucket_cap_mb": bucket_cap_mb, "parameters": signature(named)}, self.group)
-        broadcast_from_rank0(module, self.comm, self.group)
-        self.buckets = self._build_buckets([p for _, p in reversed(named)])
+        dense = [p for _, p in named if not getattr(p, "expert_parallel", False)]
+        experts = [p for _, p in named if getattr(p, "expert_parallel", False)]
+        broadcast_from_rank0(dense + list(module.buffers()), self.comm, self.group)
+        self.buckets = self._build_buckets(dense[::-1], self.group, self.group.size)
+        if experts:
+            edp = mesh.group("edp")
+            broadcast_from_rank0(experts, self.comm, edp)
+            self.buckets += self._build_buckets(experts[::-1], edp, self.group.size, first=len(self.buckets))
         self._param_names = {p: n for n, p in named}
         self._sync = True
         self._next_launch = 0          # buckets launch in index order, whatever order they fill
@@ -80,13 +93,14 @@ class DataParallel:
 
     # -- setup -------------------------------------------------------------
 
-    def _build_buckets(self, params: list[nn.Parameter]) -> list[Bucket]:
+    def _build_buckets(self, params: list[nn.Parameter], group: AxisGroup, divisor: int,
+                       first: int = 0) -> list[Bucket]:
         groups = bucket_params(params, self.bucket_cap_bytes)
-        buckets, slot = [], 0
-        for idx, ps in enumerate(groups):
+        buckets, slot = [], sum(len(b.params) for b in getattr(self, "buckets", []))
+        for idx, ps in enumerate(groups, start=first):
             flat = torch.zeros(sum(p.numel() for p in ps), dtype=ps[0].dtype, device=ps[0].device)
             views = [v.view_as(p) for v, p in zip(flat.split([p.numel() for p in ps]), ps)]
-            buckets.append(Bucket(idx, slot, ps, flat, views, [False] * len(ps)))
+            buckets.append(Bucket(idx, slot, ps, flat, group, divisor, views, [False] * len(ps)))
             slot += len(ps)
         return buckets
 
@@ -130,8 +144,8 @@ class DataParallel:
                 b.views[i].zero_()  # unused here this step: contribute zero, leave .grad alone for now
             elif not b.ready[i]:
                 self._absorb(p, b.views[i])  # accumulated under no_sync, or assigned by the user
-        b.flat.div_(self.group.size)  # sum of grad / dp = mean over data-parallel ranks
-        b.work = self.comm.all_reduce(b.flat, self.group, async_op=True, tag="grad")
+        b.flat.div_(b.divisor)  # sum of grad / dp = mean over data-parallel ranks
+        b.work = self.comm.all_reduce(b.flat, b.group, async_op=True, tag="grad")
         self._next_launch += 1
 
     def _finish_backward(self) -> None:
@@ -175,10 +189,12 @@ class DataParallel:
 
 
 @torch.no_grad()
-def broadcast_from_rank0(module: nn.Module, comm: Comm, group: AxisGroup) -> None:
-    """Make every rank's parameters and buffers equal to the group's first rank's, one broadcast per dtype."""
+def broadcast_from_rank0(module: nn.Module | list[torch.Tensor], comm: Comm, group: AxisGroup) -> None:
+    """Make every rank's parameters and buffers (of a module, or the tensors given) equal to the
+    group's first rank's, one broadcast per dtype."""
+    tensors = list(module.parameters()) + list(module.buffers()) if isinstance(module, nn.Module) else module
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in list(module.parameters()) + list(module.buffers()):
+    for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)
     for ts in by_dtype.values():
         flat = torch.cat([t.detach().reshape(-1) for t in ts])

@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_map
 
 from .ddp import DataParallel
 from .mesh import Mesh
+from .moe import check_moe_config, moe_layers, shard_experts
 from .pipeline import SCHEDULES, GPTStage, balanced_boundaries, run_schedule, sync_tied_grads
 from .precision import FP32, MixedPrecision
 from .sharded_optim import ShardedOptimizer, ShardedState
@@ -91,6 +92,18 @@ class ShardedModule(nn.Module):
             if not hasattr(module, "config") or not hasattr(module, "layers"):
                 raise ValueError(f"pipeline stages are cut from a minipar.models.GPT; got {type(module).__name__}")
             balanced_boundaries(module.config.n_layer, mesh.pp)  # more stages than layers -> ValueError
+        experts = moe_layers(module)
+        if experts and strategy != "ddp":
+            raise ValueError("mixture-of-experts layers train with strategy='ddp' (expert gradients reduced over "
+                             "the edp group); the ZeRO stages do not shard expert parameters yet")
+        if experts and sequence_parallel:
+            raise ValueError("sequence parallelism with mixture-of-experts layers is not supported; "
+                             "set sequence_parallel=False")
+        if mesh.ep > 1 and not experts:
+            raise ValueError(f"the mesh has ep={mesh.ep} but {type(module).__name__} has no MoE layers: "
+                             "expert parallelism has nothing to split; build the mesh with ep=1")
+        for layer in experts:  # experts not divisible by ep, on every rank before any collective
+            check_moe_config(layer.n_experts, layer.top_k, layer.capacity_factor, mesh.ep)
         if mesh.tp > 1 and tp_plan is None and not hasattr(module, "tp_plan"):
             raise ValueError(f"the mesh has tp={mesh.tp} but {type(module).__name__} has no tp_plan(); pass "
                              "tp_plan={'module.pattern': 'colwise' | 'rowwise' | 'vocab', ...}")
@@ -118,6 +131,8 @@ class ShardedModule(nn.Module):
         self.module = module.to(mesh.device)
         if plan is not None:  # tensor parallelism first: the data-parallel strategy then sees this rank's shards
             parallelize(self.module, mesh, plan, sequence_parallel=sequence_parallel)
+        if experts:  # this rank keeps its E / ep experts; tokens reach the others by all-to-all
+            shard_experts(self.module, mesh)
         policy = mixed_precision or FP32
         self._cast_inputs_to = policy.param_dtype if policy.param_dtype != torch.float32 else None
         if strategy == "ddp":
@@ -164,6 +179,8 @@ class ShardedModule(nn.Module):
             raise ValueError(f"a batch of {inputs.shape[0]} does not split into microbatches={m}; "
                              "use a batch size divisible by the micro-batch count")
         stage = self.module
+        for layer in moe_layers(stage):  # the loss is a mean over m micro-batches; so is the auxiliary loss
+            layer.aux_scale = 1.0 / m
         act_shape = (inputs.shape[0] // m, inputs.shape[1], self._hidden)
         actions = SCHEDULES[self.schedule](mesh.pp, m)[mesh.pp_rank]
         self.timeline: list = []  # (action, start, end) of this stage's last step
@@ -191,28 +208,31 @@ class ShardedModule(nn.Module):
         """Clip gradients by their global norm (over every shard, padding excluded); returns the norm."""
         if isinstance(self.strategy, ShardedState):
             return self.strategy.clip_grad_norm_(max_norm, norm_type)
-        if self.mesh.pp > 1:
-            return self._pipeline_clip(max_norm, norm_type)
+        if self.mesh.pp > 1 or self.mesh.ep > 1:
+            return self._split_clip(max_norm, norm_type)
         if self.mesh.tp > 1:  # shards summed over tp, replicated parameters counted once
             return tp_clip_grad_norm_(self.module, self.mesh, max_norm, norm_type)
         return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm, norm_type)
 
     @torch.no_grad()
-    def _pipeline_clip(self, max_norm: float, norm_type: float) -> torch.Tensor:
-        """One norm over every stage (tensor-parallel shards summed over tp, replicated parameters
-        once); the tied weight, whose gradient the first and last stage share, counted once."""
+    def _split_clip(self, max_norm: float, norm_type: float) -> torch.Tensor:
+        """One norm over the whole model when its parameters are split: tensor-parallel shards
+        summed over tp, experts over ep, stages over pp, replicated parameters once; the tied
+        weight, whose gradient the first and last pipeline stage share, counted once."""
         inf = math.isinf(float(norm_type))
-        skip = self.module.tied_weight() if self.module.last else None
-        parts = torch.zeros(2, device=self.mesh.device)  # [tp-sharded, replicated over tp]
+        skip = self.module.tied_weight() if self.mesh.pp > 1 and self.module.last else None
+        parts = torch.zeros(3, device=self.mesh.device)  # [split over tp, split over ep, replicated]
         for p in self.module.parameters():
             if p.grad is None or p is skip:
                 continue
-            g, i = p.grad.float().abs(), 0 if getattr(p, "tensor_parallel", False) else 1
+            g = p.grad.float().abs()
+            i = 0 if getattr(p, "tensor_parallel", False) else 1 if getattr(p, "expert_parallel", False) else 2
             parts[i] = torch.maximum(parts[i], g.max()) if inf else parts[i] + g.pow(norm_type).sum()
         op = "max" if inf else "sum"
-        sharded = parts[:1].clone()
-        self.mesh.comm.all_reduce(sharded, self.mesh.group("tp"), op=op, tag="grad_norm")
-        local = torch.maximum(sharded, parts[1:]) if inf else sharded + parts[1:]
+        split = parts[:2].clone()
+        self.mesh.comm.all_reduce(split[:1], self.mesh.group("tp"), op=op, tag="grad_norm")
+        self.mesh.comm.all_reduce(split[1:], self.mesh.group("ep"), op=op, tag="grad_norm")
+        local = split.max().reshape(1).maximum(parts[2:]) if inf else split.sum().reshape(1) + parts[2:]
         self.mesh.comm.all_reduce(local, self.mesh.group("pp"), op=op, tag="grad_norm")
         total = local[0] if inf else local[0].pow(1.0 / norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
@@ -250,6 +270,10 @@ class ShardedModule(nn.Module):
         out = {}
         for k, v in self.module.state_dict(keep_vars=True).items():
             t = (full[id(v)] if id(v) in full else v.detach()).clone()
+            if getattr(v, "expert_parallel", False) and self.mesh.ep > 1:  # experts split over ep, dim 0
+                parts = torch.empty((self.mesh.ep,) + tuple(t.shape), dtype=t.dtype, device=t.device)
+                self.mesh.comm.all_gather(parts, t.unsqueeze(0), self.mesh.group("ep"), tag="state_dict")
+                t = torch.cat(parts.unbind(0), dim=0)
             if getattr(v, "tensor_parallel", False) and self.mesh.tp > 1:
                 parts = torch.empty((self.mesh.tp,) + tuple(t.shape), dtype=t.dtype, device=t.device)
                 self.mesh.comm.all_gather(parts, t.unsqueeze(0), self.mesh.group("tp"), tag="state_dict")

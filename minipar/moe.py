@@ -1,0 +1,273 @@
+"""Mixture of experts with expert parallelism: a top-k router with capacity, and experts spread
+over the mesh's ``ep`` axis, tokens moved to them and back by all-to-all.
+
+One MoE layer, forward, on one rank of an expert-parallel group of ``P`` ranks
+holding ``E / P`` experts each (expert ``e`` lives on ep rank ``e // (E / P)``)::
+
+    route      logits = x W_g; p = softmax(logits); top-k experts per token, their weights
+               (k = 2: renormalised to sum to 1); capacity C = ceil(cf * T * k / E) slots per
+               expert; assignments beyond C are dropped (zero output for that choice)
+    permute    kept (token, expert) assignments sorted by expert: x_perm = x[token_of_assignment]
+    counts     all-to-all of the per-expert counts, so every rank knows what it will receive
+    dispatch   all-to-all of x_perm with uneven splits (rows for ep rank j go to rank j)
+    compute    received rows regrouped by local expert; expert j: y = gelu(x W1_j + b1_j) W2_j + b2_j
+    combine    the inverse all-to-all; out[t] = sum over t's kept choices of weight * y
+
+Backward runs the same exchanges in reverse (the all-to-all's adjoint is the
+all-to-all with the splits swapped, `minipar.regions.all_to_all`).
+
+Drop policy (documented, and the single-process reference makes the same
+decisions): an expert's C slots go first to first choices, then to second
+choices; within a choice rank, to tokens in order. A dropped assignment adds
+nothing; a token whose every choice is dropped leaves the layer as zero, so
+the block's residual connection passes it through unchanged. Renormalised
+weights are computed before dropping (a dropped second choice does not
+enlarge the first choice's weight).
+
+Routing groups. Capacity, drops and the auxiliary losses are computed per
+routing group: the tokens one rank routes in one forward. The single-process
+reference of ``R`` ranks' data sets ``route_groups = R`` and routes each
+rank's contiguous share of the batch separately, which is what makes the two
+equal (GShard's "groups").
+
+Auxiliary losses (per group, then averaged over groups):
+
+    load balancing  aux = E * sum_e f_e * P_e, f_e = share of the T*k assignments (before
+                    drops) that chose e, P_e = mean router probability of e (Switch/GShard)
+    router z-loss   z = mean_t (logsumexp_e logits[t, e])^2 (ST-MoE)
+
+They do not appear in the model's output. Each layer adds
+``aux_loss_coef * aux + z_loss_coef * z`` to the training loss through its
+backward only (`_AddAuxLoss`: identity forward, gradient ``scale`` into the
+auxiliary term), so they train correctly wherever the layer sits (a pipeline
+stage included) without threading a second loss through the model.
+``aux_scale`` multiplies that gradient: a loss averaged over ``m``
+micro-batches sets it to ``1/m``. The last values are in ``layer.last_aux``
+and ``layer.last_z`` for logging.
+
+Expert parameters carry ``p.expert_parallel = True``: the data-parallel
+strategy averages their gradients over the replicas of the same experts (the
+``edp`` group) but divides by the whole data-parallel size, because each
+expert's gradient already sums the contributions of every rank of its
+expert-parallel group.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import regions
+try:  # TEMP until kernels/permute.py lands
+    from .kernels import permute, unpermute
+except ImportError:
+    def permute(x, index):
+        return x[index]
+
+    def unpermute(y, index, n_rows):
+        return y.new_zeros((n_rows,) + tuple(y.shape[1:])).index_add(0, index, y)
+
+
+def check_moe_config(n_experts: int, k: int, capacity_factor: float, ep: int = 1) -> None:
+    """ValueError, with what to change, for a configuration the layer cannot run."""
+    if not isinstance(n_experts, int) or n_experts < 1:
+        raise ValueError(f"n_experts={n_experts!r} must be a positive integer")
+    if k not in (1, 2):
+        raise ValueError(f"top_k={k!r}: the router supports k = 1 or 2")
+    if k > n_experts:
+        raise ValueError(f"top_k={k} is larger than the expert count {n_experts}: choose k <= n_experts")
+    if not capacity_factor > 0:
+        raise ValueError(f"capacity_factor={capacity_factor!r} must be > 0 (1.0 gives each expert its even "
+                         "share of the assignments; larger drops fewer tokens)")
+    if n_experts % ep:
+        raise ValueError(f"n_experts={n_experts} is not divisible by ep={ep}: every expert-parallel rank "
+                         f"holds n_experts / ep experts; choose a multiple of {ep}")
+
+
+def capacity(tokens: int, n_experts: int, k: int, capacity_factor: float) -> int:
+    """Slots per expert for one routing group: ceil(cf * tokens * k / experts)."""
+    return math.ceil(capacity_factor * tokens * k / n_experts)
+
+
+def route(logits: torch.Tensor, k: int, cap: int):
+    """Top-k routing of one group with capacity.
+
+    logits: (T, E) router logits (fp32). Returns
+
+        expert  (T*k,) chosen expert of each assignment, choice-major: row c*T + t is token t's c-th choice
+        weight  (T*k,) its combine weight (k = 2: the two weights renormalised to sum to 1)
+        keep    (T*k,) bool, False where the expert's capacity was exhausted
+        aux     load-balancing loss E * sum_e f_e P_e
+        z       router z-loss mean_t logsumexp(logits_t)^2
+    """
+    n_tokens, n_experts = logits.shape
+    probs = logits.softmax(dim=-1)
+    top_w, top_e = probs.topk(k, dim=-1)                     # (T, k)
+    if k > 1:
+        top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+    expert = top_e.t().reshape(-1)                           # choice-major priority
+    weight = top_w.t().reshape(-1)
+    one_hot = F.one_hot(expert, n_experts)                   # (T*k, E)
+    # Position of each assignment in its expert's queue: earlier assignments (first choices, then
+    # lower token index) take the slots first.
+    position = (one_hot.cumsum(dim=0) - 1).gather(1, expert[:, None])[:, 0]
+    keep = position < cap
+    share = one_hot.float().mean(dim=0)                      # f_e, before drops
+    aux = n_experts * (share * probs.mean(dim=0)).sum()
+    z = logits.logsumexp(dim=-1).pow(2).mean() if n_tokens else logits.sum()
+    return expert, weight, keep, aux, z
+
+
+class _AddAuxLoss(torch.autograd.Function):
+    """out = x; dL/dx = dL/dout and dL/d(aux) = scale: adds ``scale * aux`` to whatever loss
+    ``out`` flows into, through backward only."""
+
+    @staticmethod
+    def forward(ctx, x, aux, scale):
+        ctx.scale = scale
+        ctx.aux_meta = (aux.shape, aux.dtype, aux.device)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dout):
+        shape, dtype, device = ctx.aux_meta
+        return dout, torch.full(shape, ctx.scale, dtype=dtype, device=device), None
+
+
+class MoELayer(nn.Module):
+    """A top-k mixture of GELU-MLP experts, expert-parallel over ``ep_group`` when one is set.
+
+    Args:
+        d_model: width of the tokens; d_hidden: each expert's hidden width.
+        n_experts: total expert count E; top_k: 1 or 2.
+        capacity_factor: > 0; slots per expert are ceil(cf * T * k / E).
+        aux_loss_coef, z_loss_coef: weights of the load-balancing loss and the router z-loss.
+        seed: initialisation from its own generator (equal weights on every rank).
+
+    The weights are stacked over experts, ``w1: (E, d_model, d_hidden)`` and so on; under
+    expert parallelism this rank holds ``E / ep`` of them (`shard_experts`).
+    """
+
+    def __init__(self, d_model: int, d_hidden: int, n_experts: int, top_k: int = 2,
+                 capacity_factor: float = 1.25, aux_loss_coef: float = 0.01, z_loss_coef: float = 0.0,
+                 seed: int = 0) -> None:
+        super().__init__()
+        check_moe_config(n_experts, top_k, capacity_factor)
+        self.n_experts, self.top_k, self.capacity_factor = n_experts, top_k, capacity_factor
+        self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
+        self.gate = nn.Linear(d_model, n_experts, bias=False)
+        self.w1 = nn.Parameter(torch.empty(n_experts, d_model, d_hidden))
+        self.b1 = nn.Parameter(torch.zeros(n_experts, d_hidden))
+        self.w2 = nn.Parameter(torch.empty(n_experts, d_hidden, d_model))
+        self.b2 = nn.Parameter(torch.zeros(n_experts, d_model))
+        for p in (self.w1, self.b1, self.w2, self.b2):
+            p.expert_parallel = True
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in (self.gate.weight, self.w1, self.w2):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+        self.route_groups = 1          # > 1 only in a single-process reference of several ranks
+        self.aux_scale = 1.0           # 1/m when the loss is a mean over m micro-batches
+        self.comm = self.ep_group = None
+        self.ep_rank, self.ep_size = 0, 1
+        self.last_aux = self.last_z = None
+        self.last_dropped = 0
+
+    @property
+    def local_experts(self) -> int:
+        return self.w1.shape[0]
+
+    def shard_experts(self, comm, ep_group) -> None:
+        """Keep only this ep rank's experts (a contiguous block of E / ep) and route through ``ep_group``."""
+        check_moe_config(self.n_experts, self.top_k, self.capacity_factor, ep_group.size)
+        n_local = self.n_experts // ep_group.size
+        lo = ep_group.rank * n_local
+        for name in ("w1", "b1", "w2", "b2"):
+            full = getattr(self, name)
+            local = nn.Parameter(full.detach()[lo:lo + n_local].clone())
+            local.expert_parallel = True
+            setattr(self, name, local)
+        self.comm, self.ep_group = comm, ep_group
+        self.ep_rank, self.ep_size = ep_group.rank, ep_group.size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (..., d_model) -> (..., d_model); each token the weighted sum of its kept experts' outputs."""
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])
+        outs, auxes, zs, dropped = [], [], [], 0
+        for group in tokens.chunk(self.route_groups) if self.route_groups > 1 else (tokens,):
+            out, aux, z, n_dropped = self._forward_group(group)
+            outs.append(out)
+            auxes.append(aux)
+            zs.append(z)
+            dropped += n_dropped
+        out = torch.cat(outs) if len(outs) > 1 else outs[0]
+        aux, z = torch.stack(auxes).mean(), torch.stack(zs).mean()
+        self.last_aux, self.last_z, self.last_dropped = aux.detach(), z.detach(), dropped
+        if self.training and torch.is_grad_enabled():
+            extra = self.aux_loss_coef * aux + self.z_loss_coef * z
+            out = _AddAuxLoss.apply(out, extra, self.aux_scale)
+        return out.reshape(shape)
+
+    def _forward_group(self, x: torch.Tensor):
+        n_tokens = x.shape[0]
+        logits = self.gate(x).float()
+        cap = capacity(n_tokens, self.n_experts, self.top_k, self.capacity_factor)
+        expert, weight, keep, aux, z = route(logits, self.top_k, cap)
+        token = torch.arange(n_tokens, device=x.device).repeat(self.top_k)
+        kept = keep.nonzero()[:, 0]
+        # Sort the kept assignments by expert (stable: queue order within an expert).
+        order = kept[expert[kept].argsort(stable=True)]
+        x_perm = permute(x, token[order])                                   # (M, d) expert-major
+        counts = torch.bincount(expert[order], minlength=self.n_experts)    # (E,) rows per expert
+        y_perm = self._experts(x_perm, counts)
+        y_perm = y_perm * weight[order, None].to(y_perm.dtype)
+        out = unpermute(y_perm, token[order], n_tokens)
+        return out, aux, z, int(keep.numel() - kept.numel())
+
+    def _experts(self, x_perm: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Run rows sorted by (global) expert through their experts, wherever those live."""
+        if self.ep_size == 1:
+            return self._local_experts(x_perm, counts.tolist())
+        comm, group, n_local, p = self.comm, self.ep_group, self.local_experts, self.ep_size
+        # 1. Counts first: received[s, j] = rows ep rank s sends to my local expert j.
+        received = torch.empty_like(counts)
+        comm.all_to_all(received, counts, group, tag="moe_counts")
+        send_splits = counts.view(p, n_local).sum(dim=1).tolist()
+        received = received.view(p, n_local)
+        recv_splits = received.sum(dim=1).tolist()
+        # 2. Dispatch: rows for experts on rank j go to rank j; they arrive ordered (source, local expert).
+        x_recv = regions.all_to_all(x_perm, comm, group, recv_splits, send_splits, tag="moe_dispatch")
+        # 3. Regroup by local expert (stable: source order within an expert), compute, restore the order.
+        local_expert = torch.arange(n_local, device=x_perm.device).repeat(p).repeat_interleave(received.flatten())
+        by_expert = local_expert.argsort(stable=True)
+        y_sorted = self._local_experts(permute(x_recv, by_expert), received.sum(dim=0).tolist())
+        y_recv = unpermute(y_sorted, by_expert, x_recv.shape[0])
+        # 4. Combine: the inverse exchange, splits swapped.
+        return regions.all_to_all(y_recv, comm, group, send_splits, recv_splits, tag="moe_combine")
+
+    def _local_experts(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """x: rows grouped by local expert, counts[j] rows for expert j -> each row through its expert.
+
+        One matmul pair per expert (a loop over experts, never over tokens). An expert with no rows
+        still runs on an empty block, so its parameters get a zero gradient rather than none.
+        """
+        outs = []
+        for j, rows in enumerate(x.split(counts)):
+            h = F.gelu(torch.addmm(self.b1[j], rows, self.w1[j]), approximate="tanh")
+            outs.append(torch.addmm(self.b2[j], h, self.w2[j]))
+        return torch.cat(outs)
+
+
+def moe_layers(module: nn.Module) -> list[MoELayer]:
+    return [m for m in module.modules() if isinstance(m, MoELayer)]
+
+
+def shard_experts(module: nn.Module, mesh) -> None:
+    """Make every MoE layer of ``module`` expert-parallel over ``mesh``'s ep axis."""
+    group = mesh.group("ep")
+    for layer in moe_layers(module):
+        layer.shard_experts(mesh.comm, group)

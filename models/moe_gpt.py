@@ -1,0 +1,59 @@
+"""The GPT of `minipar.models.gpt` with mixture-of-experts MLPs: every block's MLP is a
+`minipar.moe.MoELayer` (top-k router, capacity, GELU experts). Everything else -- attention,
+norms, embeddings, the tied head, deterministic initialisation -- is the dense GPT's.
+
+``route_groups`` is for the single-process reference of a multi-rank run: the
+reference of ``R`` data-parallel ranks (times ``m`` micro-batches under pipeline
+parallelism) routes each rank's share of the batch as its own group, so
+capacity and drops are decided exactly as each rank decides them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from minipar.moe import MoELayer, check_moe_config, moe_layers
+
+from .gpt import GPT, GPTConfig
+
+
+@dataclass
+class MoEGPTConfig(GPTConfig):
+    n_experts: int = 4
+    top_k: int = 2
+    capacity_factor: float = 1.25
+    aux_loss_coef: float = 0.01
+    z_loss_coef: float = 0.001
+    expert_hidden: int | None = None   # each expert's hidden width; default 4 * n_embd
+    route_groups: int = 1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_moe_config(self.n_experts, self.top_k, self.capacity_factor)
+
+
+class MoEGPT(GPT):
+    def __init__(self, cfg: MoEGPTConfig) -> None:
+        super().__init__(cfg)
+        hidden = cfg.expert_hidden or 4 * cfg.n_embd
+        for i, block in enumerate(self.layers):
+            block.mlp = MoELayer(cfg.n_embd, hidden, cfg.n_experts, cfg.top_k, cfg.capacity_factor,
+                                 cfg.aux_loss_coef, cfg.z_loss_coef, seed=cfg.seed * 7919 + i + 1)
+            block.mlp.route_groups = cfg.route_groups
+
+    def tp_plan(self, tp: int, sequence_parallel: bool = False, gather_logits: bool = False) -> dict:
+        """The dense GPT's plan without the MLP entries: the MoE layers run replicated on every
+        tensor-parallel rank (their experts are split over ep, not tp)."""
+        if sequence_parallel:
+            raise ValueError("sequence parallelism with mixture-of-experts layers is not supported")
+        plan = super().tp_plan(tp, sequence_parallel=False, gather_logits=gather_logits)
+        return {k: v for k, v in plan.items() if ".mlp." not in k}
+
+    def moe_stats(self) -> dict[str, float]:
+        """Auxiliary loss, z-loss (means over layers) and dropped assignments of the last forward."""
+        layers = [m for m in moe_layers(self) if m.last_aux is not None]
+        if not layers:
+            return {}
+        return {"aux": sum(float(m.last_aux) for m in layers) / len(layers),
+                "z": sum(float(m.last_z) for m in layers) / len(layers),
+                "dropped": sum(m.last_dropped for m in layers)}
