@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 import minipar
 from minipar import ShardedModule
-from minipar.models import GPT, GPTConfig, gpt_loss
+from minipar.models import GPT, GPTConfig, MoEGPT, MoEGPTConfig, gpt_loss
 from minipar.models.data import markov_batch
 
 
@@ -53,6 +53,11 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--check-steps", type=int, default=3)
     ap.add_argument("--tolerance", type=float, default=1e-4)
     ap.add_argument("--out", default="results")
+    ap.add_argument("--moe", action="store_true", help="mixture-of-experts MLPs (minipar.models.MoEGPT)")
+    ap.add_argument("--experts", type=int, default=4)
+    ap.add_argument("--top-k", type=int, default=2)
+    ap.add_argument("--capacity-factor", type=float, default=1.25)
+    ap.add_argument("--ep", type=int, default=None, help="expert-parallel size (splits dp); default: dp with --moe")
     return ap.parse_args()
 
 
@@ -66,18 +71,30 @@ def memory_bytes(model: ShardedModule, opt) -> dict[str, int]:
 
 def main() -> int:
     args = parse_args()
-    mesh = minipar.init(dp=args.dp, tp=args.tp, pp=args.pp)
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    dp = args.dp or world // (args.tp * args.pp)
+    ep = (args.ep or dp) if args.moe else 1  # experts spread over the data-parallel ranks
+    mesh = minipar.init(dp=args.dp, tp=args.tp, pp=args.pp, ep=ep)
     cpu = mesh.device.type == "cpu"
     if cpu:
         torch.set_num_threads(1)
     main_rank = mesh.rank == 0
-    cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.n_layer, n_head=args.n_head,
-                    n_embd=args.n_embd, seed=0)
-    model = ShardedModule(GPT(cfg), mesh=mesh, schedule=args.schedule, microbatches=args.microbatches)
+    shape = dict(vocab_size=args.vocab, block_size=args.seq, n_layer=args.n_layer, n_head=args.n_head,
+                 n_embd=args.n_embd, seed=0)
+    if args.moe:
+        cfg = MoEGPTConfig(**shape, n_experts=args.experts, top_k=args.top_k, capacity_factor=args.capacity_factor)
+        # The reference routes each rank's (each micro-batch's) share of the global batch as its own group.
+        groups = mesh.dp * (args.microbatches if mesh.pp > 1 else 1)
+        build, ref_cfg = MoEGPT, MoEGPTConfig(**{**vars(cfg), "route_groups": groups})
+    else:
+        cfg = ref_cfg = GPTConfig(**shape)
+        build = GPT
+    model = ShardedModule(build(cfg), mesh=mesh, schedule=args.schedule, microbatches=args.microbatches)
     opt = model.build_optimizer(torch.optim.AdamW, lr=args.lr, weight_decay=0.1)
     if main_rank:
-        n = sum(p.numel() for p in GPT(cfg).parameters())
-        print(f"minipar: GPT {n / 1e6:.2f}M parameters on {mesh.world_size} ranks: dp={mesh.dp} tp={mesh.tp} "
+        n = sum(p.numel() for p in build(cfg).parameters())
+        kind = f"MoE GPT ({args.experts} experts, top-{args.top_k}, ep={mesh.ep})" if args.moe else "GPT"
+        print(f"minipar: {kind} {n / 1e6:.2f}M parameters on {mesh.world_size} ranks: dp={mesh.dp} tp={mesh.tp} "
               f"pp={mesh.pp}, {args.schedule} with {args.microbatches} micro-batches, {dist.get_backend()}", flush=True)
 
     losses, times = [], []
@@ -103,7 +120,7 @@ def main() -> int:
     # Reference: the first steps in one process on the global batch (every data-parallel rank's data).
     status, max_diff = 0, 0.0
     if main_rank and args.check_steps:
-        ref = GPT(cfg).to(mesh.device)
+        ref = build(ref_cfg).to(mesh.device)
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=args.lr, weight_decay=0.1)
         for step in range(min(args.check_steps, args.steps)):
             x = torch.cat([markov_batch(step, r, args.batch, args.seq, args.vocab) for r in range(mesh.dp)])

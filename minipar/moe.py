@@ -175,6 +175,7 @@ class MoELayer(nn.Module):
         self.ep_rank, self.ep_size = 0, 1
         self.last_aux = self.last_z = None
         self.last_dropped = 0
+        self.last_counts = []
 
     @property
     def local_experts(self) -> int:
@@ -198,6 +199,7 @@ class MoELayer(nn.Module):
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
         outs, auxes, zs, dropped = [], [], [], 0
+        self.last_counts: list[torch.Tensor] = []  # per routing group: kept rows per expert
         for group in tokens.chunk(self.route_groups) if self.route_groups > 1 else (tokens,):
             out, aux, z, n_dropped = self._forward_group(group)
             outs.append(out)
@@ -223,6 +225,7 @@ class MoELayer(nn.Module):
         order = kept[expert[kept].argsort(stable=True)]
         x_perm = permute(x, token[order])                                   # (M, d) expert-major
         counts = torch.bincount(expert[order], minlength=self.n_experts)    # (E,) rows per expert
+        self.last_counts.append(counts.detach())
         y_perm = self._experts(x_perm, counts)
         y_perm = y_perm * weight[order, None].to(y_perm.dtype)
         out = unpermute(y_perm, token[order], n_tokens)
