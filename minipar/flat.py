@@ -71,6 +71,15 @@ class FlatLayout:
             off += p.numel()
         return out
 
+    def span(self, param: nn.Parameter) -> tuple[int, int]:
+        """(start, end) of ``param`` in the full flat buffer."""
+        off = 0
+        for p in self.params:
+            if p is param:
+                return off, off + p.numel()
+            off += p.numel()
+        raise KeyError("parameter not in this layout")
+
     def flatten(self, tensors: list[torch.Tensor], dtype: torch.dtype, device) -> torch.Tensor:
         """A new padded full flat buffer holding ``tensors`` (one per parameter) end to end."""
         flat = torch.zeros(self.padded, dtype=dtype, device=device)

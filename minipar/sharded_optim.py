@@ -113,6 +113,10 @@ class ShardedState:
         self.policy, self.offload = policy, offload
         self.scaler = LossScaler(policy.init_scale, policy.growth_interval, policy.uses_loss_scaling)
         self.groups: list[ShardGroup] = []
+        # Under pipeline parallelism (set by ShardedModule): the norm is summed over the stages, and
+        # the tied weight, whose gradient the first and last stage share, is counted on one of them.
+        self.pp: AxisGroup | None = None
+        self.norm_skip: nn.Parameter | None = None
         self.optimizer: ShardedOptimizer | None = None
         self._unscaled = False
         self._found_inf = False
@@ -156,7 +160,9 @@ class ShardedState:
         """Clip by the norm of the whole (unsharded, unpadded) gradient; returns that norm on every rank.
 
         Under tensor parallelism the pieces of tp-sharded parameters are summed
-        over tp as well, replicated parameters counted once.
+        over tp as well, replicated parameters counted once; under pipeline
+        parallelism over the stages, ``norm_skip`` (the last stage's copy of a
+        tied weight) left out.
         """
         self.unscale_()
         inf = math.isinf(float(norm_type))
@@ -164,6 +170,8 @@ class ShardedState:
         parts = torch.zeros(2, dtype=torch.float32, device=device)  # [tp-sharded, tp-replicated]
         for g in self.groups:
             for p, a, b in g.layout.local_pieces():
+                if p is self.norm_skip:
+                    continue
                 piece = g.grad_shard[a:b].float().abs()
                 i = 0 if getattr(p, "tensor_parallel", False) else 1
                 parts[i] = torch.maximum(parts[i], piece.max()) if inf else parts[i] + piece.pow(norm_type).sum()
@@ -171,7 +179,10 @@ class ShardedState:
         self.comm.all_reduce(parts, self.group, op=op, tag="grad_norm")
         sharded = parts[:1].clone()
         self.comm.all_reduce(sharded, self.tp, op=op, tag="grad_norm")
-        total = torch.maximum(sharded[0], parts[1]) if inf else (sharded[0] + parts[1]).pow(1.0 / norm_type)
+        local = torch.maximum(sharded, parts[1:]) if inf else sharded + parts[1:]
+        if self.pp is not None:
+            self.comm.all_reduce(local, self.pp, op=op, tag="grad_norm")
+        total = local[0] if inf else local[0].pow(1.0 / norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # as torch.nn.utils.clip_grad_norm_
         for g in self.groups:
             g.grad_shard.mul_(coef.to(g.grad_shard.dtype))

@@ -156,6 +156,31 @@ class Zero2(_ReplicatedParams):
                 self._launch_next()  # in bucket order, on every rank alike
         return hook
 
+    @torch.no_grad()
+    def full_grad_of(self, param: nn.Parameter) -> torch.Tensor:
+        """``param``'s whole reduced gradient, assembled from the ranks' shards (an all-reduce over dp
+        of disjoint pieces). For the tied weight, whose gradient two pipeline stages must sum."""
+        g, (p_lo, p_hi), (a, b) = self._piece_of(param)
+        full = torch.zeros(param.numel(), dtype=g.grad_shard.dtype, device=g.grad_shard.device)
+        if a < b:
+            full[a - p_lo:b - p_lo] = g.grad_shard[a - g.layout.lo:b - g.layout.lo]
+        self.comm.all_reduce(full, self.group, tag="tied_grad")
+        return full.view_as(param)
+
+    @torch.no_grad()
+    def set_grad_of(self, param: nn.Parameter, full: torch.Tensor) -> None:
+        """Overwrite this rank's piece of ``param``'s gradient shard from the whole gradient ``full``."""
+        g, (p_lo, _), (a, b) = self._piece_of(param)
+        if a < b:
+            g.grad_shard[a - g.layout.lo:b - g.layout.lo] = full.reshape(-1)[a - p_lo:b - p_lo]
+
+    def _piece_of(self, param: nn.Parameter):
+        for g in self.groups:
+            if any(p is param for p in g.layout.params):
+                p_lo, p_hi = g.layout.span(param)
+                return g, (p_lo, p_hi), (max(p_lo, g.layout.lo), min(p_hi, g.layout.lo + g.layout.real_len))
+        raise KeyError("parameter not managed by this ZeRO-2 state")
+
     def _launch_next(self) -> None:
         self.buckets[self._next_launch].launch(self.comm, self.group)
         self._next_launch += 1
