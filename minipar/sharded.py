@@ -26,6 +26,8 @@ from torch.utils._pytree import tree_map
 from .ddp import DataParallel
 from .mesh import Mesh
 from .moe import check_moe_config, moe_layers, shard_experts
+from .fsdp import select_units
+from .recompute import check_units, checkpoint_modules, select_checkpointed
 from .pipeline import SCHEDULES, GPTStage, balanced_boundaries, run_schedule, sync_tied_grads
 from .precision import FP32, MixedPrecision
 from .sharded_optim import ShardedOptimizer, ShardedState
@@ -52,6 +54,9 @@ class ShardedModule(nn.Module):
         sequence_parallel: split activations along the sequence between tensor-parallel layers.
         schedule: the pipeline schedule when pp > 1: "1f1b" or "gpipe" (``minipar.pipeline.SCHEDULES``).
         microbatches: micro-batches per step when pp > 1; the batch must divide by it.
+        activation_checkpointing: recompute chosen blocks in backward instead of keeping their
+            activations: True (each nn.ModuleList entry: the transformer blocks), a tuple of module
+            classes, or a callable(module) -> bool; dropout masks are replayed (`minipar.recompute`).
 
     Raises ValueError, on every rank and before any collective, for an unknown
     strategy, a non-positive bucket size or a module without parameters; and,
@@ -62,7 +67,7 @@ class ShardedModule(nn.Module):
                  bucket_cap_mb: float = 25.0, mixed_precision: MixedPrecision | None = None,
                  cpu_offload: bool = False, wrap_policy=None, reshard_after_forward: bool = True,
                  tp_plan: dict | None = None, sequence_parallel: bool = False,
-                 schedule: str = "1f1b", microbatches: int = 1) -> None:
+                 schedule: str = "1f1b", microbatches: int = 1, activation_checkpointing: Any = False) -> None:
         super().__init__()
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
@@ -104,6 +109,10 @@ class ShardedModule(nn.Module):
                              "expert parallelism has nothing to split; build the mesh with ep=1")
         for layer in experts:  # experts not divisible by ep, on every rank before any collective
             check_moe_config(layer.n_experts, layer.top_k, layer.capacity_factor, mesh.ep)
+        if activation_checkpointing is not False:  # a policy that matches nothing, or cuts a zero3 unit
+            chosen = select_checkpointed(module, activation_checkpointing)
+            if strategy in ("zero3", "fsdp"):
+                check_units(chosen, [n for n, _ in select_units(module, wrap_policy)])
         if mesh.tp > 1 and tp_plan is None and not hasattr(module, "tp_plan"):
             raise ValueError(f"the mesh has tp={mesh.tp} but {type(module).__name__} has no tp_plan(); pass "
                              "tp_plan={'module.pattern': 'colwise' | 'rowwise' | 'vocab', ...}")
@@ -113,7 +122,8 @@ class ShardedModule(nn.Module):
             "strategy": strategy, "bucket_cap_mb": bucket_cap_mb, "mixed_precision": repr(mixed_precision),
             "cpu_offload": cpu_offload, "wrap_policy": repr(wrap_policy), "reshard": reshard_after_forward,
             "tp_plan": repr(tp_plan), "sequence_parallel": sequence_parallel, "schedule": schedule,
-            "microbatches": microbatches}, mesh.world)
+            "microbatches": microbatches, "activation_checkpointing": activation_checkpointing if isinstance(activation_checkpointing, (bool, tuple))
+            else getattr(activation_checkpointing, "__qualname__", repr(activation_checkpointing))}, mesh.world)
         self.mesh = mesh
         self.strategy_name = strategy
         self.schedule, self.microbatches = schedule, microbatches
@@ -133,6 +143,8 @@ class ShardedModule(nn.Module):
             parallelize(self.module, mesh, plan, sequence_parallel=sequence_parallel)
         if experts:  # this rank keeps its E / ep experts; tokens reach the others by all-to-all
             shard_experts(self.module, mesh)
+        self.checkpointed = checkpoint_modules(self.module, activation_checkpointing, mesh.device) \
+            if activation_checkpointing is not False else []
         policy = mixed_precision or FP32
         self._cast_inputs_to = policy.param_dtype if policy.param_dtype != torch.float32 else None
         if strategy == "ddp":
