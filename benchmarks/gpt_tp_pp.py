@@ -14,6 +14,12 @@ bytes per step by kind, per-rank memory. It replays the first
 the losses disagree. Results go to OUT/gpt_tp_pp.json; the last step's
 timeline to OUT/trace.json (open in chrome://tracing or Perfetto) and, when
 matplotlib is installed, OUT/timeline.png.
+
+With ``--checkpoint-dir DIR`` it saves a sharded checkpoint (``minipar.checkpoint``)
+every ``--checkpoint-every`` steps and after the last, and when started again
+resumes from the newest complete one, so a job under
+``torchrun --max-restarts=N`` survives a dead rank: torchrun restarts every
+rank and they continue from the last checkpoint, bit for bit.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 import minipar
-from minipar import ShardedModule
+from minipar import ShardedModule, checkpoint
 from minipar.models import GPT, GPTConfig, MoEGPT, MoEGPTConfig, gpt_loss
 from minipar.models.data import markov_batch
 
@@ -53,6 +59,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--check-steps", type=int, default=3)
     ap.add_argument("--tolerance", type=float, default=1e-4)
     ap.add_argument("--out", default="results")
+    ap.add_argument("--checkpoint-dir", default=None, help="save checkpoints here; resume from the newest")
+    ap.add_argument("--checkpoint-every", type=int, default=10, help="steps between checkpoints (with --checkpoint-dir)")
     ap.add_argument("--moe", action="store_true", help="mixture-of-experts MLPs (minipar.models.MoEGPT)")
     ap.add_argument("--experts", type=int, default=4)
     ap.add_argument("--top-k", type=int, default=2)
@@ -97,8 +105,20 @@ def main() -> int:
         print(f"minipar: {kind} {n / 1e6:.2f}M parameters on {mesh.world_size} ranks: dp={mesh.dp} tp={mesh.tp} "
               f"pp={mesh.pp}, {args.schedule} with {args.microbatches} micro-batches, {dist.get_backend()}", flush=True)
 
-    losses, times = [], []
-    for step in range(args.steps):
+    losses, times, start = [], [], 0
+    if args.checkpoint_dir:  # resume: rank 0's view of the newest complete checkpoint, on every rank
+        latest = mesh.comm.all_gather_object(checkpoint.find_latest(args.checkpoint_dir), mesh.world)[0]
+        if latest is not None:
+            resumed = checkpoint.load(latest, model, opt)
+            start, losses = resumed["step"], resumed["losses"]
+            if main_rank:
+                print(f"resumed from {latest} at step {start}", flush=True)
+        if start >= args.steps:
+            if main_rank:
+                print(f"all {args.steps} steps were done before this start; nothing to do", flush=True)
+            minipar.shutdown()
+            return 0
+    for step in range(start, args.steps):
         x = markov_batch(step, mesh.dp_rank, args.batch, args.seq, args.vocab).to(mesh.device)
         last = step == args.steps - 1
         dist.barrier()
@@ -116,6 +136,9 @@ def main() -> int:
             step_start, step_stats = t0, stats
         if main_rank and (step % 5 == 0 or last):
             print(f"step {step:4d}  loss {losses[-1]:.4f}  {times[-1] * 1e3:8.1f} ms", flush=True)
+        if args.checkpoint_dir and ((step + 1) % args.checkpoint_every == 0 or last):
+            checkpoint.save(checkpoint.step_path(args.checkpoint_dir, step + 1), model, opt,
+                            extra_state={"step": step + 1, "losses": losses})
 
     # Reference: the first steps in one process on the global batch (every data-parallel rank's data).
     status, max_diff = 0, 0.0
