@@ -135,7 +135,10 @@ def init(dp: int | None = None, tp: int = 1, pp: int = 1, ep: int = 1, backend: 
             raise ValueError(f"backend {backend!r} is not supported; use 'nccl' or 'gloo'")
         if backend == "nccl":
             torch.cuda.set_device(local_rank)
-        if "RANK" in os.environ:
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            dist.init_process_group(backend, store=_restart_store(), rank=int(os.environ["RANK"]),
+                                    world_size=int(os.environ["WORLD_SIZE"]), timeout=timedelta(minutes=10))
+        elif "RANK" in os.environ:
             dist.init_process_group(backend, timeout=timedelta(minutes=10))
         else:
             with socket.socket() as s:
@@ -143,6 +146,19 @@ def init(dp: int | None = None, tp: int = 1, pp: int = 1, ep: int = 1, backend: 
                 port = s.getsockname()[1]
             dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     return Mesh(dp=dp, tp=tp, pp=pp, ep=ep)
+
+
+def _restart_store() -> dist.Store:
+    """torchrun's store, with a key prefix of its own for each restart round.
+
+    torchrun (2.11 to 2.13) keeps one store for every round of an elastic job
+    and its workers join it without a prefix, so after a restart gloo can read
+    the addresses that the previous round's dead workers published and fail
+    with "connection refused". Prefixing by the restart count keeps rounds apart.
+    """
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timedelta(minutes=10))
+    return dist.PrefixStore(f"minipar/restart_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def shutdown() -> None:
