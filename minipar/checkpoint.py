@@ -600,7 +600,10 @@ def _prepare(path: Path, model, optimizer, slots: list[_Slot], all_params: dict,
                 for s in filled:
                     t[s.at:s.at + s.hi - s.lo] = states[id(s.param)][0][k]
                 state[k] = t.view(owner.shape)
-            state.update(_one([states[id(s.param)][1] for s in filled], "the optimizer's scalar state"))
+            # A copy per tensor: pieces read from one file share their scalar tensors (torch.load keeps
+            # aliasing), and AdamW increments ``step`` in place, once per tensor it steps.
+            scalars = _one([states[id(s.param)][1] for s in filled], "the optimizer's scalar state")
+            state.update({k: v.clone() if torch.is_tensor(v) else v for k, v in scalars.items()})
             new_state[id(owner)] = state
             hyper_of[id(owner)] = [states[id(s.param)][2] for s in filled]
 
