@@ -91,9 +91,9 @@ class ShardedModule(nn.Module):
                 raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
             if not isinstance(microbatches, int) or microbatches < 1:
                 raise ValueError(f"microbatches={microbatches!r} must be a positive integer")
-            if strategy != "ddp" or sequence_parallel:
-                raise ValueError("pipeline parallelism composes with strategy='ddp' (and tp without sequence "
-                                 "parallelism) for now")
+            if strategy not in ("ddp", "zero1", "zero2") or sequence_parallel or cpu_offload:
+                raise ValueError("pipeline parallelism composes with strategy='ddp', 'zero1' or 'zero2' on the "
+                                 "data-parallel axis and tp without sequence parallelism or CPU offload, for now")
             if not hasattr(module, "config") or not hasattr(module, "layers"):
                 raise ValueError(f"pipeline stages are cut from a minipar.models.GPT; got {type(module).__name__}")
             balanced_boundaries(module.config.n_layer, mesh.pp)  # more stages than layers -> ValueError
@@ -156,6 +156,9 @@ class ShardedModule(nn.Module):
         else:
             from .fsdp import Zero3
             self.strategy = Zero3(self.module, mesh, policy, cpu_offload, wrap_policy, reshard_after_forward)
+        if mesh.pp > 1 and isinstance(self.strategy, ShardedState):  # one norm over all stages, tied copy once
+            self.strategy.pp = mesh.group("pp")
+            self.strategy.norm_skip = self.module.tied_weight() if self.module.tied and self.module.last else None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._cast_inputs_to is not None:  # floating inputs meet parameters of the compute dtype
@@ -196,15 +199,36 @@ class ShardedModule(nn.Module):
         act_shape = (inputs.shape[0] // m, inputs.shape[1], self._hidden)
         actions = SCHEDULES[self.schedule](mesh.pp, m)[mesh.pp_rank]
         self.timeline: list = []  # (action, start, end) of this stage's last step
+        scaler = getattr(self.strategy, "scaler", None)
+        scale = scaler.scale if scaler is not None and scaler.enabled else None
+        stage_loss = loss_fn if scale is None else (lambda out, y: loss_fn(out, y) * scale)  # fp16: scaled backward
         loss, self.peak_live_activations = run_schedule(stage, actions, mesh, list(inputs.chunk(m)) if stage.first else None,
-                            list(targets.chunk(m)) if stage.last else None, loss_fn, act_shape,
+                            list(targets.chunk(m)) if stage.last else None, stage_loss, act_shape,
                             next(stage.parameters()).dtype, no_sync=self.strategy.no_sync, timeline=self.timeline)
-        sync_tied_grads(stage, mesh, self._tied_shape)
+        if isinstance(self.strategy, Zero2):
+            self._sync_tied_grad_shards()
+        else:  # DDP: the averaged p.grad; ZeRO-1: the local p.grad, reduce-scattered at the step
+            sync_tied_grads(stage, mesh, self._tied_shape)
         # Every rank reports the global loss: the last stage's, then the mean over data-parallel ranks.
-        loss = loss.float().reshape(1)
+        loss = loss.float().reshape(1) if scale is None else loss.float().reshape(1) / scale
         mesh.comm.all_reduce(loss, mesh.group("pp"), tag="loss")
         mesh.comm.all_reduce(loss, mesh.group("dp"), tag="loss")
         return loss.div_(mesh.dp)[0]
+
+    @torch.no_grad()
+    def _sync_tied_grad_shards(self) -> None:
+        """ZeRO-2 keeps only gradient shards, cut differently on the first and last stage: assemble the
+        tied weight's reduced gradient over dp, sum it over pp (middle stages add zeros), and write
+        each rank's piece back into its shard."""
+        stage = self.module
+        if not stage.tied:
+            return
+        w = stage.tied_weight()
+        full = self.strategy.full_grad_of(w) if w is not None else \
+            torch.zeros(self._tied_shape, dtype=self.strategy.policy.grad_dtype, device=self.mesh.device)
+        self.mesh.comm.all_reduce(full, self.mesh.group("pp"), tag="tied_grad")
+        if w is not None:
+            self.strategy.set_grad_of(w, full)
 
     def build_optimizer(self, optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any):
         """The optimizer to step: ``optimizer_cls`` over the parameters this rank updates.

@@ -87,7 +87,8 @@ def sync_tied_grads(stage: GPTStage, mesh: Mesh, shape: torch.Size) -> None:
     if not stage.tied:
         return
     w = stage.tied_weight()
-    buf = torch.zeros(shape, device=mesh.device) if w is None or w.grad is None else w.grad
+    dtype = next(stage.parameters()).dtype  # the gradient's dtype (the compute dtype), equal on every stage
+    buf = torch.zeros(shape, dtype=dtype, device=mesh.device) if w is None or w.grad is None else w.grad
     mesh.comm.all_reduce(buf, mesh.group("pp"), tag="tied_grad")
     if w is not None and w.grad is None:
         w.grad = buf
