@@ -61,14 +61,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import regions
-try:  # TEMP until kernels/permute.py lands
-    from .kernels import permute, unpermute
-except ImportError:
-    def permute(x, index):
-        return x[index]
-
-    def unpermute(y, index, n_rows):
-        return y.new_zeros((n_rows,) + tuple(y.shape[1:])).index_add(0, index, y)
+from .kernels import permute, unpermute
 
 
 def check_moe_config(n_experts: int, k: int, capacity_factor: float, ep: int = 1) -> None:
