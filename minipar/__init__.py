@@ -5,13 +5,15 @@ Public API:
     ShardedModule         -- wrap a model with a strategy (minipar.sharded)
     Comm, CommStats       -- the counted collective layer (minipar.comm)
     regions               -- autograd-aware conjugate collectives (minipar.regions)
+    checkpoint            -- sharded save/load, resharding, consolidation (minipar.checkpoint)
+    recompute             -- activation checkpointing (minipar.recompute; ShardedModule(activation_checkpointing=))
 """
 
-from . import regions
+from . import checkpoint, recompute, regions
 from .comm import AxisGroup, Comm, CommStats
 from .mesh import Mesh, init, shutdown
 from .precision import MixedPrecision
 from .sharded import STRATEGIES, ShardedModule
 
-__all__ = ["init", "shutdown", "Mesh", "ShardedModule", "STRATEGIES", "MixedPrecision", "Comm", "CommStats", "AxisGroup", "regions"]
+__all__ = ["init", "shutdown", "Mesh", "ShardedModule", "STRATEGIES", "MixedPrecision", "Comm", "CommStats", "AxisGroup", "regions", "checkpoint", "recompute"]
 __version__ = "0.1.0"

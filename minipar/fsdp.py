@@ -238,14 +238,15 @@ def _following(order: list[Unit], u: Unit) -> Unit | None:
     return None
 
 
-def select_units(module: nn.Module, wrap_policy: Any) -> list[tuple[str, nn.Module]]:
+def select_units(module: nn.Module, wrap_policy: Any, option: str = "wrap_policy") -> list[tuple[str, nn.Module]]:
     """The (name, submodule) pairs that become units, in registration order.
 
     wrap_policy: None -> every entry of every nn.ModuleList (the blocks of a
     transformer); a tuple of module classes -> the outermost modules of those
     classes; an int -> bottom-up, a module whose parameters not yet in a unit
     number at least that many (units may nest); a callable(module) -> bool ->
-    the outermost modules it accepts.
+    the outermost modules it accepts. ``option`` names the argument in error messages
+    (activation checkpointing chooses its modules the same way).
     """
     named = [(n, m) for n, m in module.named_modules() if n and not isinstance(m, _CONTAINERS)]
     if wrap_policy is None:
@@ -254,7 +255,7 @@ def select_units(module: nn.Module, wrap_policy: Any) -> list[tuple[str, nn.Modu
         return [(n, m) for n, m in named if id(m) in members]
     if isinstance(wrap_policy, int) and not isinstance(wrap_policy, bool):
         if wrap_policy < 1:
-            raise ValueError(f"a size wrap_policy must be >= 1 parameters, got {wrap_policy}")
+            raise ValueError(f"a size {option} must be >= 1 parameters, got {wrap_policy}")
         chosen: list[tuple[str, nn.Module]] = []
         taken: set[int] = set()
         for n, m in reversed(named):  # children before parents
@@ -263,7 +264,7 @@ def select_units(module: nn.Module, wrap_policy: Any) -> list[tuple[str, nn.Modu
                 chosen.append((n, m))
                 taken.update(id(p) for p in free)
         if not chosen:
-            raise ValueError(f"wrap_policy={wrap_policy} matches no module (the largest has "
+            raise ValueError(f"{option}={wrap_policy} matches no module (the largest has "
                              f"{max((sum(p.numel() for p in m.parameters()) for _, m in named), default=0)} "
                              "parameters); lower the threshold, or pass module classes or a callable")
         return [(n, m) for n, m in named if any(m is c for _, c in chosen)]
@@ -273,7 +274,7 @@ def select_units(module: nn.Module, wrap_policy: Any) -> list[tuple[str, nn.Modu
     elif callable(wrap_policy):
         accept, what = wrap_policy, f"callable {wrap_policy!r}"
     else:
-        raise ValueError(f"wrap_policy={wrap_policy!r} is not understood; pass None (each nn.ModuleList entry), "
+        raise ValueError(f"{option}={wrap_policy!r} is not understood; pass None (each nn.ModuleList entry), "
                          "a tuple of module classes, a parameter count (int) or a callable(module) -> bool")
     out: list[tuple[str, nn.Module]] = []
     for n, m in named:
@@ -281,7 +282,7 @@ def select_units(module: nn.Module, wrap_policy: Any) -> list[tuple[str, nn.Modu
             out.append((n, m))
     if not out:
         classes = sorted({type(m).__name__ for _, m in named})
-        raise ValueError(f"wrap_policy ({what}) matches no submodule; the model has {classes}. "
+        raise ValueError(f"{option} ({what}) matches no submodule; the model has {classes}. "
                          "Pass classes or a callable that match, a parameter count, or None")
     return out
 

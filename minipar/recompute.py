@@ -169,7 +169,7 @@ def select_checkpointed(module: nn.Module, policy: Any, require: bool = True) ->
         raise ValueError(f"activation_checkpointing={policy!r} is not understood; pass True (each nn.ModuleList "
                          "entry), a tuple of module classes, or a callable(module) -> bool")
     try:
-        chosen = select_units(module, None if policy is True else policy)
+        chosen = select_units(module, None if policy is True else policy, option="activation_checkpointing")
     except ValueError:
         if require:
             raise

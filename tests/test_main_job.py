@@ -46,3 +46,15 @@ def test_moe_ep_benchmark_bytes_match_the_routing(tmp_path):
     result = json.loads((tmp_path / "moe.json").read_text())
     assert all(r["sent"] == r["implied"] > 0 for r in result["bytes"])
     assert sum(r["dropped"] for r in result["bytes"]) > 0  # capacity factor 0.75 drops assignments
+
+
+def test_activation_checkpointing_benchmark_reports_less_memory():
+    """benchmarks/activation_checkpointing.py on a small GPT: its table reports a lower peak of
+    activation memory with recomputation (ratio < 1) for a ZeRO-3 run on two ranks."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "benchmarks" / "activation_checkpointing.py"), "--strategy", "zero3", "--n-layer", "4",
+           "--n-embd", "32", "--n-head", "2", "--vocab", "64", "--seq", "32", "--batch", "2", "--steps", "2"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    ratio = float(out.stdout.split("peak activation memory on / off:")[1].split(";")[0])
+    assert 0 < ratio < 0.7, out.stdout
