@@ -110,7 +110,7 @@ def main() -> int:
     args = parse_args()
     mesh = minipar.init(pp=2)
     torch.set_num_threads(1)
-    rank, main_rank = mesh.rank, mesh.rank == 0
+    main_rank = mesh.rank == 0
     cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.n_layer, n_head=args.n_head,
                     n_embd=args.n_embd, tie_weights=False, seed=0)
     m = args.microbatches
@@ -165,7 +165,7 @@ def main() -> int:
             print(f"  {k[0]:8s} {k[1]:6s} " + "  ".join(f"{v:.6f}" for v in first_losses[k]))
         print(f"largest difference minipar vs torch: {max_diff:.2e} ({'ok' if status == 0 else 'MISMATCH'}, "
               f"tolerance {args.tolerance:g})")
-        print(f"last step losses: " + ", ".join(f"{k[0]} {k[1]} {last['losses'][k][-1]:.4f}" for k in runners))
+        print("last step losses: " + ", ".join(f"{k[0]} {k[1]} {last['losses'][k][-1]:.4f}" for k in runners))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"args": vars(args), "torch": torch.__version__,
