@@ -1,0 +1,225 @@
+"""minipar.kernels.cross_entropy: the loss and its gradient against F.cross_entropy, in Triton and PyTorch.
+
+Every check compares with ``F.cross_entropy`` on the same logits in fp32 (low
+precision logits: judged with ``lowp_ok`` against that fp32 reference). The
+vocab-parallel check splits the logits into tp slices and combines the
+per-slice ``row_stats`` by hand, as ``minipar.tensor_parallel.cross_entropy``
+does across ranks, without processes. The Triton tests run in a child pytest
+under ``TRITON_INTERPRET=1`` (see ``kernel_testing``); each asserts that its
+kernels launched. The same checks run on the PyTorch path, asserting that it
+launches nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import example, given, settings, strategies as st
+
+from minipar import kernels
+from minipar.kernels.cross_entropy import cross_entropy, row_stats, token_losses, xent_grad
+
+from kernel_testing import interpreted, launched, lowp_ok, max_err, run_interpreted
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def test_triton_kernels_under_interpreter():
+    """This module's interpreted tests, in a TRITON_INTERPRET=1 child: all pass, none skip."""
+    run_interpreted(__file__)
+
+
+@contextlib.contextmanager
+def pytorch_path():
+    """The PyTorch path (TRITON_INTERPRET unset), and a check that it launched no Triton kernel."""
+    saved = os.environ.pop("TRITON_INTERPRET", None)
+    before = sum(kernels.launches.values())
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ["TRITON_INTERPRET"] = saved
+    assert sum(kernels.launches.values()) == before, "the PyTorch path launched a Triton kernel"
+
+
+def triton_path():
+    """Both kernels launched by the block (forward and backward of a non-empty batch)."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(launched("row_stats_kernel"))
+    stack.enter_context(launched("xent_grad_kernel"))
+    return stack
+
+
+@st.composite
+def ce_cases(draw, max_n: int = 40, max_v: int = 300):
+    return dict(n=draw(st.integers(0, max_n)), v=draw(st.integers(1, max_v)), lead=draw(st.sampled_from([1, 2])),
+                scale=draw(st.sampled_from([1.0, 10.0, 0.01])), eps=draw(st.sampled_from([0.0, 0.1])),
+                ignored=draw(st.sampled_from([0.0, 0.3, 1.0])), ignore_index=draw(st.sampled_from([-100, 0])),
+                dtype=draw(st.sampled_from(list(DTYPES))), strided=draw(st.booleans()),
+                seed=draw(st.integers(0, 2**16)))
+
+
+def make_case(case):
+    """Logits (lead, n, v) in the case's dtype (a column slice of wider rows if strided), int64 targets."""
+    g = torch.Generator().manual_seed(case["seed"])
+    lead, n, v = case["lead"], case["n"], case["v"]
+    wide = torch.randn(lead, n, v + 3 * case["strided"], generator=g) * case["scale"]
+    logits = wide.to(DTYPES[case["dtype"]])[..., :v]
+    targets = torch.randint(0, v, (lead, n), generator=g)
+    targets[torch.rand(lead, n, generator=g) < case["ignored"]] = case["ignore_index"]
+    return logits, targets
+
+
+def check_cross_entropy(case) -> None:
+    """Loss and gradient of cross_entropy equal F.cross_entropy's on the same logits."""
+    logits, targets = make_case(case)
+    kw = dict(ignore_index=case["ignore_index"], label_smoothing=case["eps"])
+    x = logits.clone().requires_grad_()
+    loss = cross_entropy(x, targets, **kw)
+    assert loss.dtype == torch.float32 and loss.shape == ()
+    upstream = torch.tensor(-2.5)
+    loss.backward(upstream)
+    assert x.grad.dtype == logits.dtype and x.grad.shape == logits.shape
+    assert torch.equal(x.detach(), logits), "the logits were written"
+
+    ref_x = logits.float().requires_grad_()  # the fp32 reference, exact on low-precision inputs
+    ref = F.cross_entropy(ref_x.flatten(0, -2), targets.flatten(), reduction="sum", **kw)
+    count = (targets != case["ignore_index"]).sum()
+    if count == 0:  # all ignored: 0 and zero gradients, where F.cross_entropy's mean would be NaN
+        assert loss.item() == 0.0 and not x.grad.any()
+        return
+    ref = ref / count
+    ref.backward(upstream)
+    torch.testing.assert_close(loss, ref.detach())  # fp32 math whatever the dtype: fp32 tolerances
+    if logits.dtype == torch.float32:
+        torch.testing.assert_close(x.grad, ref_x.grad)
+    else:
+        low_x = logits.clone().requires_grad_()
+        F.cross_entropy(low_x.flatten(0, -2), targets.flatten(), **kw).backward(upstream.to(logits.dtype))
+        assert lowp_ok(x.grad, low_x.grad, ref_x.grad), (max_err(x.grad, ref_x.grad), max_err(low_x.grad, ref_x.grad))
+
+
+@interpreted
+@settings(max_examples=8, deadline=None)
+@given(case=ce_cases())
+@example(case=dict(n=7, v=33, lead=2, scale=10.0, eps=0.1, ignored=1.0, ignore_index=-100, dtype="fp32",
+                   strided=False, seed=1))  # every row ignored
+@example(case=dict(n=37, v=257, lead=1, scale=10.0, eps=0.1, ignored=0.3, ignore_index=0, dtype="bf16",
+                   strided=True, seed=2))
+def test_cross_entropy_triton(case):
+    """For any shape, dtype, scale, smoothing and ignored rows: Triton equals F.cross_entropy, fwd and bwd."""
+    with triton_path() if case["n"] else contextlib.nullcontext():
+        check_cross_entropy(case)
+
+
+@settings(max_examples=8, deadline=None)
+@given(case=ce_cases())
+@example(case=dict(n=5, v=11, lead=2, scale=1.0, eps=0.0, ignored=1.0, ignore_index=-100, dtype="fp32",
+                   strided=False, seed=3))
+def test_cross_entropy_pytorch_path(case):
+    """The PyTorch path launches nothing and equals F.cross_entropy, fwd and bwd."""
+    with pytorch_path():
+        check_cross_entropy(case)
+
+
+@interpreted
+@pytest.mark.parametrize("v", [4097, 9000])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_long_rows_and_minus_inf_triton(v, dtype):
+    """Rows longer than one block (several loop steps), with -inf logits filling whole leading blocks."""
+    g = torch.Generator().manual_seed(v)
+    logits = (torch.randn(3, v, generator=g) * 10).to(DTYPES[dtype])
+    logits[0, :4096] = float("-inf")  # the whole first block: the running max stays -inf through it
+    logits[1, ::7] = float("-inf")
+    targets = torch.tensor([v - 1, 3, -100])
+    x = logits.clone().requires_grad_()
+    with triton_path():
+        loss = cross_entropy(x, targets)
+        loss.backward()
+    ref_x = logits.float().requires_grad_()
+    ref = F.cross_entropy(ref_x, targets)
+    ref.backward()
+    torch.testing.assert_close(loss, ref.detach())
+    assert torch.isfinite(x.grad).all()
+    if dtype == "fp32":
+        torch.testing.assert_close(x.grad, ref_x.grad)
+    else:
+        low_x = logits.clone().requires_grad_()
+        F.cross_entropy(low_x, targets).backward()
+        assert lowp_ok(x.grad, low_x.grad, ref_x.grad)
+
+
+def test_out_of_range_target_raises_on_cpu():
+    with pytest.raises(IndexError, match="out of bounds"):
+        cross_entropy(torch.randn(2, 5), torch.tensor([1, 5]))
+    cross_entropy(torch.randn(2, 5), torch.tensor([1, -100]))  # ignore_index is not a class
+
+
+# ----------------------------------------------------------------------------- vocab-parallel math, no processes
+
+def check_vocab_parallel(case, tp: int) -> None:
+    """Split the logits into tp vocab slices; combine each slice's row_stats as the TP code does
+    (max, rescale the sum to the global max, sum), then xent_grad per slice: equal to F.cross_entropy
+    and its gradient on the full logits."""
+    logits, targets = make_case(case)
+    logits, targets = logits.flatten(0, -2), targets.flatten()
+    v, eps, ignore = case["v"], case["eps"], case["ignore_index"]
+    v_local = v // tp
+    slices = logits.split(v_local, dim=-1)  # views: a row stride of v, as a rank's slice of wider logits
+    stats = [row_stats(z, targets, r * v_local) for r, z in enumerate(slices)]
+    m_local, s_local, z_t, sum_z = (torch.stack(col) for col in zip(*stats))  # (tp, N) each
+    m = m_local.amax(dim=0)  # the max all-reduce
+    sum_exp = (s_local * torch.exp(m_local - m)).sum(dim=0)  # rescaled, then the sum all-reduce
+    lse = sum_exp.log() + m
+    valid = targets != ignore
+    count = valid.sum().clamp(min=1)
+    loss = torch.where(valid, token_losses(lse, z_t.sum(dim=0), sum_z.sum(dim=0), eps, v), 0.0).sum() / count
+    upstream = 0.5
+    coef = torch.where(valid, upstream / count, 0.0)
+    grads = [xent_grad(z, lse, targets, r * v_local, coef, eps, v) for r, z in enumerate(slices)]
+    grad = torch.cat(grads, dim=-1)
+    assert grad.dtype == logits.dtype
+
+    ref_x = logits.float().requires_grad_()
+    ref = F.cross_entropy(ref_x, targets, ignore_index=ignore, label_smoothing=eps, reduction="sum") / count
+    ref.backward(torch.tensor(upstream))
+    torch.testing.assert_close(loss, ref.detach())
+    if logits.dtype == torch.float32:
+        torch.testing.assert_close(grad, ref_x.grad)
+    else:
+        low_x = logits.clone().requires_grad_()
+        low = F.cross_entropy(low_x, targets, ignore_index=ignore, label_smoothing=eps, reduction="sum")
+        (low / count.to(low.dtype)).backward(torch.tensor(upstream, dtype=logits.dtype))
+        assert lowp_ok(grad, low_x.grad, ref_x.grad), (max_err(grad, ref_x.grad), max_err(low_x.grad, ref_x.grad))
+
+
+@st.composite
+def tp_cases(draw):
+    tp = draw(st.sampled_from([2, 3, 4]))
+    case = draw(ce_cases(max_v=75))
+    case["v"] = tp * min(case["v"], 75)  # divisible by tp, up to 300
+    return tp, case
+
+
+@interpreted
+@settings(max_examples=8, deadline=None)
+@given(tp_case=tp_cases())
+@example(tp_case=(3, dict(n=9, v=3 * 41, lead=1, scale=10.0, eps=0.1, ignored=0.3, ignore_index=-100,
+                          dtype="bf16", strided=False, seed=4)))
+def test_vocab_parallel_math_triton(tp_case):
+    """Per-slice Triton row_stats + xent_grad, combined by hand, equal F.cross_entropy on the full logits."""
+    tp, case = tp_case
+    with triton_path() if case["n"] else contextlib.nullcontext():
+        check_vocab_parallel(case, tp)
+
+
+@settings(max_examples=8, deadline=None)
+@given(tp_case=tp_cases())
+def test_vocab_parallel_math_pytorch_path(tp_case):
+    tp, case = tp_case
+    with pytorch_path():
+        check_vocab_parallel(case, tp)
