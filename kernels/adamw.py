@@ -106,10 +106,13 @@ def supports(optimizer: torch.optim.Optimizer) -> bool:
 
 
 @torch.no_grad()
-def fused_step(optimizer: torch.optim.Optimizer, outs: dict[int, torch.Tensor] | None = None) -> None:
+def fused_step(optimizer: torch.optim.Optimizer, outs: dict[int, torch.Tensor] | None = None,
+               grads: dict[int, torch.Tensor] | None = None) -> None:
     """``optimizer.step()`` through ``adamw_step_``, for an optimizer that ``supports`` accepts.
 
-    Every param with a ``.grad`` is stepped; ``outs`` maps ``id(param)`` to the
+    Every param with a gradient is stepped: ``grads[id(param)]`` if given (any
+    of fp32/bf16/fp16, same numel: a reduced low-precision gradient needs no
+    fp32 copy), else ``param.grad``. ``outs`` maps ``id(param)`` to the
     low-precision copy (same numel) to write in the same pass. The state is
     torch's own: ``step`` a scalar float tensor (on the CPU, or on the param's
     device for a fused optimizer) advanced by 1, ``exp_avg`` and
@@ -121,20 +124,21 @@ def fused_step(optimizer: torch.optim.Optimizer, outs: dict[int, torch.Tensor] |
                          f"hyperparameters, and amsgrad, maximize, differentiable and capturable off; this "
                          f"{type(optimizer).__name__} is not one (check supports() first and call "
                          f"optimizer.step() otherwise)")
-    outs = outs or {}
+    outs, grads = outs or {}, grads or {}
     for group in optimizer.param_groups:
         beta1, beta2 = group["betas"]
         decoupled = type(optimizer) is torch.optim.AdamW or bool(group.get("decoupled_weight_decay", False))
         for p in group["params"]:
-            if p.grad is None:
+            grad = grads.get(id(p), p.grad)
+            if grad is None:
                 continue
-            if p.grad.is_sparse:
+            if grad.is_sparse:
                 raise RuntimeError("Adam does not support sparse gradients, please consider SparseAdam instead")
             state = optimizer.state[p]
             if len(state) == 0:
                 _init_state(state, p, bool(group.get("fused")))
             step = _advance(state["step"])
-            adamw_step_(p, p.grad.contiguous(), state["exp_avg"], state["exp_avg_sq"], step=step,
+            adamw_step_(p, grad.contiguous(), state["exp_avg"], state["exp_avg_sq"], step=step,
                         lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                         weight_decay=group["weight_decay"], decoupled=decoupled, out=outs.get(id(p)))
 

@@ -14,8 +14,10 @@ A unit is in one of three states, and these short methods move it:
   unit's backward starts with ``_pre_backward``.
 * ``_pre_backward``: unshard again, prefetch the unit whose backward comes next.
 * ``_post_backward`` (when every parameter of the unit has its gradient):
-  reduce-scatter the unit's gradients into this rank's gradient shard and
-  reshard; the end-of-backward callback launches what is left and waits.
+  reshard and reduce-scatter the unit's gradients into this rank's gradient
+  shard (in one fixed unit order; at most two in flight before the oldest
+  lands and frees its staging buffer, `LaunchOrder`); the end-of-backward
+  callback launches what is left and waits.
 
 "Full" parameters live in one flat buffer per unit whose storage is resized
 to zero when resharded: the parameters stay views of it, so autograd's saved
@@ -42,7 +44,7 @@ from .ddp import broadcast_from_rank0, signature
 from .flat import FlatLayout
 from .mesh import Mesh
 from .precision import MixedPrecision
-from .sharded_optim import GradStaging, ShardedState, ShardGroup, make_master
+from .sharded_optim import GradStaging, LaunchOrder, ShardedState, ShardGroup, make_master
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 
@@ -89,7 +91,7 @@ class Zero3(ShardedState):
         self.groups = [u.group for u in self.units]
         # Reduce-scatters launch in this fixed order on every rank (backward runs units in reverse).
         self._rs_order = [u for u in reversed(self.units) if not u.is_root] + [u for u in self.units if u.is_root]
-        self._next_rs = 0
+        self.order = LaunchOrder([u.grads for u in self._rs_order], self.comm, self.group)
         self._fwd_order: list[Unit] = []
         self._last_fwd_order: list[Unit] = []
         self._callback_queued = False
@@ -205,22 +207,14 @@ class Zero3(ShardedState):
     def _post_backward(self, u: Unit) -> None:
         if not u.is_root:
             self.reshard(u)
-        while self._next_rs < len(self._rs_order) and self._rs_order[self._next_rs].grads.complete:
-            self._launch_next()
-
-    def _launch_next(self) -> None:
-        self._rs_order[self._next_rs].grads.launch(self.comm, self.group)
-        self._next_rs += 1
+        self.order.launch_ready()
 
     @torch.no_grad()
     def _finish_backward(self) -> None:
-        while self._next_rs < len(self._rs_order):
-            self._launch_next()
+        self.order.finish()
         for u in self._rs_order:
-            u.grads.land()
             u.backward_started = False
             self.reshard(u)
-        self._next_rs = 0
         self._callback_queued = False
 
     # -- accounting ------------------------------------------------------------------

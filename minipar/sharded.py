@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_map
 
+from . import kernels
 from .ddp import DataParallel
 from .mesh import Mesh
 from .moe import check_moe_config, moe_layers, shard_experts
@@ -45,7 +46,7 @@ class ShardedModule(nn.Module):
         module: the model, as built for one process; moved to ``mesh.device``.
         mesh: the process mesh; default: ``Mesh()`` over the initialised world (all ranks data-parallel).
         strategy: one of ``STRATEGIES``: "ddp", "zero1", "zero2", "zero3" (= "fsdp").
-        bucket_cap_mb: gradient bucket size for DDP and ZeRO-2, in MiB (> 0).
+        bucket_cap_mb: gradient bucket size for DDP, ZeRO-1 and ZeRO-2, in MiB (> 0).
         mixed_precision: a `MixedPrecision` policy (ZeRO stages); default fp32.
         cpu_offload: keep fp32 masters and optimizer state on the CPU and step there (ZeRO stages).
         wrap_policy: how zero3 cuts the model into units (see `minipar.fsdp.select_units`).
@@ -150,7 +151,7 @@ class ShardedModule(nn.Module):
         if strategy == "ddp":
             self.strategy = DataParallel(self.module, mesh, bucket_cap_mb=bucket_cap_mb)
         elif strategy == "zero1":
-            self.strategy = Zero1(self.module, mesh, policy, cpu_offload)
+            self.strategy = Zero1(self.module, mesh, policy, cpu_offload, bucket_cap_mb)
         elif strategy == "zero2":
             self.strategy = Zero2(self.module, mesh, policy, cpu_offload, bucket_cap_mb)
         else:
@@ -205,9 +206,9 @@ class ShardedModule(nn.Module):
         loss, self.peak_live_activations = run_schedule(stage, actions, mesh, list(inputs.chunk(m)) if stage.first else None,
                             list(targets.chunk(m)) if stage.last else None, stage_loss, act_shape,
                             next(stage.parameters()).dtype, no_sync=self.strategy.no_sync, timeline=self.timeline)
-        if isinstance(self.strategy, Zero2):
+        if isinstance(self.strategy, (Zero1, Zero2)):  # their gradients are already in the dp shards
             self._sync_tied_grad_shards()
-        else:  # DDP: the averaged p.grad; ZeRO-1: the local p.grad, reduce-scattered at the step
+        else:  # DDP: the averaged p.grad
             sync_tied_grads(stage, mesh, self._tied_shape)
         # Every rank reports the global loss: the last stage's, then the mean over data-parallel ranks.
         loss = loss.float().reshape(1) if scale is None else loss.float().reshape(1) / scale
@@ -217,9 +218,9 @@ class ShardedModule(nn.Module):
 
     @torch.no_grad()
     def _sync_tied_grad_shards(self) -> None:
-        """ZeRO-2 keeps only gradient shards, cut differently on the first and last stage: assemble the
-        tied weight's reduced gradient over dp, sum it over pp (middle stages add zeros), and write
-        each rank's piece back into its shard."""
+        """ZeRO-1/2 reduced the gradients into shards during the last backward, cut differently on the
+        first and last stage: assemble the tied weight's reduced gradient over dp, sum it over pp
+        (middle stages add zeros), and write each rank's piece back into its shard."""
         stage = self.module
         if not stage.tied:
             return
@@ -286,8 +287,7 @@ class ShardedModule(nn.Module):
         if self.mesh.tp > 1:
             return vocab_parallel_cross_entropy(logits, targets, self.mesh.comm, self.mesh.group("tp"),
                                                 ignore_index=ignore_index, label_smoothing=label_smoothing)
-        return torch.nn.functional.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(),
-                                                 ignore_index=ignore_index, label_smoothing=label_smoothing)
+        return kernels.cross_entropy(logits, targets, ignore_index=ignore_index, label_smoothing=label_smoothing)
 
     def memory_stats(self) -> dict[str, int]:
         """{"params", "grads", "optimizer"}: bytes of persistent state this rank holds (no transient buffers)."""

@@ -29,6 +29,7 @@ from typing import Iterator
 import torch
 import torch.nn as nn
 
+from . import kernels
 from .comm import AxisGroup, Comm
 from .flat import FlatLayout
 from .precision import LossScaler, MixedPrecision
@@ -87,11 +88,60 @@ class GradStaging:
         self._out = torch.empty(self.group.layout.shard_size, dtype=flat.dtype, device=flat.device)
         self._work = comm.reduce_scatter(self._out, flat, axis, async_op=True, tag="grad")
 
-    def land(self) -> None:
+    def land(self, accumulate: bool = True) -> None:
+        """Wait for the reduce-scatter and add its result into the gradient shard (accumulating over
+        backwards until zero_grad), or, with ``accumulate=False``, replace the shard's contents."""
         self._work.wait()
-        self.group.grad_shard += self._out  # accumulates over backwards until zero_grad
+        if accumulate:
+            self.group.grad_shard += self._out
+        else:
+            self.group.grad_shard.copy_(self._out)
         self._flat, self._views, self._out, self._work = None, [], None, None
         self.ready = [False] * len(self.ready)
+
+
+class LaunchOrder:
+    """Reduce-scatters for a list of `GradStaging`, launched in that fixed order on every rank.
+
+    Backward completes groups in an order that can differ between ranks (and a
+    group whose parameters got no gradient never completes), so a group is
+    launched only when it and every group before it are complete; the rest go
+    at the end of backward. The oldest launched group lands (waits, adds into
+    its shard, frees its staging buffer) as soon as more than ``window`` are in
+    flight: the full-size staging buffers alive at once stay bounded by the
+    window plus the groups still filling, never the whole gradient.
+    """
+
+    def __init__(self, stagings: list[GradStaging], comm: Comm, axis: AxisGroup, window: int = 2,
+                 accumulate: bool = True) -> None:
+        self.stagings, self.comm, self.axis = stagings, comm, axis
+        self.window, self.accumulate = window, accumulate
+        self._next = 0
+        self._in_flight: list[GradStaging] = []
+
+    def unlaunched(self) -> list[GradStaging]:
+        """The stagings not launched yet in this backward."""
+        return self.stagings[self._next:]
+
+    def launch_ready(self) -> None:
+        while self._next < len(self.stagings) and self.stagings[self._next].complete:
+            self._launch_next()
+
+    def _launch_next(self) -> None:
+        staging = self.stagings[self._next]
+        staging.launch(self.comm, self.axis)
+        self._in_flight.append(staging)
+        self._next += 1
+        while len(self._in_flight) > self.window:
+            self._in_flight.pop(0).land(self.accumulate)
+
+    def finish(self) -> None:
+        """End of backward: launch what is left (missing gradients count as zero) and land everything."""
+        while self._next < len(self.stagings):
+            self._launch_next()
+        for staging in self._in_flight:
+            staging.land(self.accumulate)
+        self._in_flight, self._next = [], 0
 
 
 def make_master(shard: torch.Tensor, real_fp32: torch.Tensor, offload: bool) -> nn.Parameter:
@@ -120,6 +170,7 @@ class ShardedState:
         self.optimizer: ShardedOptimizer | None = None
         self._unscaled = False
         self._found_inf = False
+        self._shards_written = False  # the fused step wrote the compute shards already
 
     # Stages override these two.
     def reduce_grads(self) -> None:
@@ -147,9 +198,8 @@ class ShardedState:
             self.reduce_grads()
             found = torch.zeros(1, device=self.groups[0].shard.device)
             if self.scaler.enabled:
-                for g in self.groups:
-                    g.grad_shard.mul_(1.0 / self.scaler.scale)
-                    found += (~torch.isfinite(g.real_grad)).any()
+                for g in self.groups:  # one pass: divide out the scale, flag inf/nan (padding is zero)
+                    kernels.scale_cast_(g.grad_shard, g.grad_shard, 1.0 / self.scaler.scale, found)
                 # Any rank's overflow skips the step everywhere, so the scales stay equal.
                 self.comm.all_reduce(found, self.world, op="max", tag="overflow")
             self._found_inf = bool(found.item()) if self.scaler.enabled else False
@@ -201,17 +251,40 @@ class ShardedState:
             g.master.grad = grad
         return False
 
+    def can_fuse(self, optimizer: torch.optim.Optimizer) -> bool:
+        """The fused AdamW kernel can step ``optimizer`` over the masters: Adam/AdamW that it
+        supports, masters on a device where the dispatch rule picks Triton, gradients beside them."""
+        return kernels.adamw_supports(optimizer) and all(
+            kernels.use_triton(g.master) and g.grad_shard.device == g.master.device for g in self.groups)
+
+    @torch.no_grad()
+    def fused_step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """One pass per group (``minipar.kernels.adamw``): read the reduced gradient in its own dtype
+        (no fp32 copy), update master and moments, write the compute-dtype shard. False: skipped
+        (overflow on some rank)."""
+        if self.unscale_():
+            return False
+        grads, outs = {}, {}
+        for g in self.groups:
+            grads[id(g.master)] = g.real_grad
+            if g.master.data_ptr() != g.shard.data_ptr():
+                outs[id(g.master)] = g.shard[:g.layout.real_len]
+        kernels.fused_step(optimizer, outs, grads)
+        self._shards_written = True
+        return True
+
     @torch.no_grad()
     def finish_step(self, skipped: bool) -> None:
         self.scaler.update(skipped)
         self._unscaled = False
         for g in self.groups:
             g.master.grad = None  # an fp32 copy of the gradient shard, needed only inside the step
+        written, self._shards_written = self._shards_written, False
         if skipped:
             return
         for g in self.groups:
             n = g.layout.real_len
-            if g.master.data_ptr() != g.shard.data_ptr():
+            if g.master.data_ptr() != g.shard.data_ptr() and not written:
                 g.shard[:n].copy_(g.master)
         self.spread_params()
 
@@ -302,12 +375,19 @@ class ShardedOptimizer:
         return self.optimizer.param_groups
 
     def step(self) -> bool:
-        """One optimizer step; returns False when it was skipped for a non-finite gradient."""
-        skip = self.state.prepare_step()
-        if not skip:
-            self.optimizer.step()
-        self.state.finish_step(skip)
-        return not skip
+        """One optimizer step; returns False when it was skipped for a non-finite gradient.
+
+        Adam/AdamW on a GPU (or under the Triton interpreter) step through the fused
+        kernel; everything else through the torch optimizer. Both keep torch's state format.
+        """
+        if self.state.can_fuse(self.optimizer):
+            stepped = self.state.fused_step(self.optimizer)
+        else:
+            stepped = not self.state.prepare_step()
+            if stepped:
+                self.optimizer.step()
+        self.state.finish_step(not stepped)
+        return stepped
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.state.zero_grad()
