@@ -5,9 +5,21 @@ functions, the math, the PyTorch reference and the autograd wiring;
 ``<name>_triton.py`` holds the ``@triton.jit`` kernels and is imported only
 when the dispatch rule (``dispatch.use_triton``: CUDA tensor, or
 ``TRITON_INTERPRET=1``) first picks Triton. ``import minipar`` never imports triton.
+
+Who uses what: the GPT (``minipar.models``) its norms, activations and loss;
+tensor parallelism the vocab-parallel cross-entropy primitives; the ZeRO
+stages the fused AdamW step and the gradient scale-and-cast; the MoE layer
+permute/unpermute and GELU.
 """
 
+from .activation import gelu, swiglu
+from .adamw import adamw_step_, fused_step, supports as adamw_supports
+from .cross_entropy import cross_entropy, row_stats, xent_grad
 from .dispatch import interpreting, launches, use_triton
+from .norm import layer_norm, rms_norm
 from .permute import permute, unpermute
+from .scale_cast import scale_cast_
 
-__all__ = ["interpreting", "launches", "use_triton", "permute", "unpermute"]
+__all__ = ["interpreting", "launches", "use_triton", "permute", "unpermute", "layer_norm", "rms_norm",
+           "cross_entropy", "row_stats", "xent_grad", "gelu", "swiglu", "adamw_step_", "fused_step",
+           "adamw_supports", "scale_cast_"]

@@ -4,7 +4,13 @@ Token and position embeddings, pre-norm blocks (causal self-attention through
 ``scaled_dot_product_attention``, GELU MLP), a final LayerNorm and an LM head
 that can share the token embedding's weight. Attention has separate q/k/v/o
 projections and reshapes with ``-1`` heads, so tensor parallelism can split the
-projections without touching this file.
+projections without touching this file. ``norm="rmsnorm"`` and ``mlp="swiglu"``
+give the Llama-style variants (RMSNorm, and a gated SiLU MLP with separate
+gate and up projections).
+
+Norms, activations and the loss go through ``minipar.kernels``: fused Triton
+kernels on a GPU (or under ``TRITON_INTERPRET=1``), the PyTorch functions
+otherwise.
 
 Initialisation is deterministic from ``GPTConfig.seed`` alone (its own
 generator, not the global RNG): every rank that builds ``GPT(config)`` holds
@@ -20,6 +26,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from minipar import kernels
+
 
 @dataclass
 class GPTConfig:
@@ -31,11 +39,37 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = True
     tie_weights: bool = True   # LM head shares the token embedding's weight
+    norm: str = "layernorm"    # or "rmsnorm"
+    mlp: str = "gelu"          # or "swiglu": proj(silu(gate(x)) * fc(x))
     seed: int = 0
 
     def __post_init__(self) -> None:
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
+        if self.norm not in ("layernorm", "rmsnorm"):
+            raise ValueError(f"norm={self.norm!r}; choose 'layernorm' or 'rmsnorm'")
+        if self.mlp not in ("gelu", "swiglu"):
+            raise ValueError(f"mlp={self.mlp!r}; choose 'gelu' or 'swiglu'")
+
+
+class LayerNorm(nn.LayerNorm):
+    """``nn.LayerNorm`` (same parameters and state dict) computed by ``minipar.kernels.layer_norm``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.layer_norm(x, self.weight, self.bias, self.eps)
+
+
+class RMSNorm(nn.RMSNorm):
+    """``nn.RMSNorm`` (same parameters and state dict) computed by ``minipar.kernels.rms_norm``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.rms_norm(x, self.weight, self.eps)
+
+
+def make_norm(cfg: GPTConfig) -> nn.Module:
+    if cfg.norm == "rmsnorm":
+        return RMSNorm(cfg.n_embd, eps=1e-6)
+    return LayerNorm(cfg.n_embd, bias=cfg.bias)
 
 
 class CausalSelfAttention(nn.Module):
@@ -62,21 +96,26 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
+    """gelu: proj(gelu(fc(x))); swiglu: proj(silu(gate(x)) * fc(x)). Hidden width 4 * n_embd."""
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
+        self.gate = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias) if cfg.mlp == "swiglu" else None
         self.proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(x), approximate="tanh"))
+        if self.gate is not None:
+            return self.proj(kernels.swiglu(self.gate(x), self.fc(x)))
+        return self.proj(kernels.gelu(self.fc(x)))
 
 
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.ln_1 = make_norm(cfg)
         self.attn = CausalSelfAttention(cfg)
-        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.ln_2 = make_norm(cfg)
         self.mlp = MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
@@ -93,7 +132,7 @@ class GPT(nn.Module):
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
-        self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.ln_f = make_norm(cfg)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_weights:
             self.lm_head.weight = self.wte.weight
@@ -124,6 +163,9 @@ class GPT(nn.Module):
                       "layers.*.attn.k_proj": "colwise_in_region", "layers.*.attn.v_proj": "colwise_in_region",
                       "layers.*.attn.o_proj": "rowwise",
                       "layers.*.mlp.fc": "colwise", "layers.*.mlp.proj": "rowwise"}
+        if cfg.mlp == "swiglu":  # gate and up read one input: it enters the tp region once, for both
+            plan.update({"layers.*.mlp": "enter_region", "layers.*.mlp.fc": "colwise_in_region",
+                         "layers.*.mlp.gate": "colwise_in_region"})
         if sequence_parallel:
             plan["wpe"] = SequenceShard(0)
         return plan
@@ -136,7 +178,7 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():  # named_parameters() yields a tied weight once
             if name.endswith(".bias"):
                 p.zero_()
-            elif p.dim() == 1:  # LayerNorm weight
+            elif p.dim() == 1:  # norm weight
                 p.fill_(1.0)
             else:
                 std = resid_std if name.endswith(("o_proj.weight", "mlp.proj.weight")) else 0.02
@@ -155,5 +197,6 @@ class GPT(nn.Module):
 
 
 def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean token cross-entropy. logits: (batch, seq, vocab); targets: (batch, seq), -100 ignored."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
+    """Mean token cross-entropy (``minipar.kernels.cross_entropy``: the probabilities are never
+    materialised). logits: (batch, seq, vocab); targets: (batch, seq), -100 ignored."""
+    return kernels.cross_entropy(logits, targets, ignore_index=-100)
