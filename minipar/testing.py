@@ -26,6 +26,7 @@ import os
 import pickle
 import queue
 import socket
+import sys
 import time
 import traceback
 from dataclasses import dataclass
@@ -194,14 +195,28 @@ class PoolSet:
         self.backend = backend or os.environ.get("MINIPAR_TEST_BACKEND", "gloo")
         self.timeout = timeout or float(os.environ.get("MINIPAR_TEST_TIMEOUT", "120"))
         self._pools: dict[int, RankPool] = {}
+        self.fallbacks: dict[int, str] = {}  # world size -> why it runs on gloo although nccl was asked for
 
     def backend_for(self, world_size: int) -> str:
-        if self.backend == "nccl":
-            import torch
-            if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
-                return "nccl"
-            return "gloo"  # too few GPUs for this world: the CPU path still proves the algorithm
-        return self.backend
+        """The backend a pool of ``world_size`` ranks gets: nccl needs one GPU per rank.
+
+        When nccl was asked for but this machine has too few GPUs, the world runs on
+        gloo (the CPU path still proves the algorithm) and the reason is printed to
+        stderr, once per world size, and kept in ``fallbacks``.
+        """
+        if self.backend != "nccl":
+            return self.backend
+        import torch
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if gpus >= world_size:
+            return "nccl"
+        if world_size not in self.fallbacks:
+            why = (f"minipar.testing: nccl asked for (MINIPAR_TEST_BACKEND=nccl), but world size {world_size} needs "
+                   f"{world_size} GPUs (one per rank) and this machine has {gpus}; "
+                   f"world size {world_size} runs on gloo (CPU) instead")
+            self.fallbacks[world_size] = why
+            print(why, file=sys.stderr, flush=True)
+        return "gloo"
 
     def __call__(self, world_size: int) -> RankPool:
         if world_size not in self._pools:

@@ -42,12 +42,16 @@ SHARED = -1  # owner of a tensor that every rank holds
 # -- data ------------------------------------------------------------------------
 
 
-def _gen(seed: int, slot: int, owner: int, shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Tensor number ``slot`` of rank ``owner`` (SHARED: held by every rank); any rank can regenerate it."""
+def _gen(seed: int, slot: int, owner: int, shape, dtype: torch.dtype = torch.float32,
+         device: str = "cpu") -> torch.Tensor:
+    """Tensor number ``slot`` of rank ``owner`` (SHARED: held by every rank); any rank can regenerate it.
+
+    Drawn on the CPU (the same values whatever the backend), then moved to ``device``: the rank's
+    ``ctx.device``, since nccl takes only tensors on the rank's GPU."""
     g = torch.Generator().manual_seed((seed * 64 + slot) * 16 + owner + 1)
     if dtype.is_floating_point:
-        return torch.randn(tuple(shape), generator=g, dtype=dtype)
-    return torch.randint(-1000, 1000, tuple(shape), generator=g, dtype=dtype)
+        return torch.randn(tuple(shape), generator=g, dtype=dtype).to(device)
+    return torch.randint(-1000, 1000, tuple(shape), generator=g, dtype=dtype).to(device)
 
 
 def _nbytes(shape, dtype: torch.dtype) -> int:
@@ -102,7 +106,7 @@ def _check_stats(stats, expected) -> None:
 
 
 def _rank_collectives(ctx, case):
-    n, me = ctx.world_size, ctx.rank
+    n, me, dev = ctx.world_size, ctx.rank, ctx.device
     seed, m, tail, async_op = case["seed"], case["m"], tuple(case["tail"]), case["async_op"]
     dt = getattr(torch, case["dtype"])
     src, S = case["src"], case["splits"]
@@ -128,7 +132,7 @@ def _rank_collectives(ctx, case):
 
         with comm.counting() as stats:
             # all_reduce, every reduction op, on the dp group
-            xs = [_gen(seed, 0, r, shard, dt) for r in range(n)]
+            xs = [_gen(seed, 0, r, shard, dt, dev) for r in range(n)]
             stack = torch.stack(xs)
             for i, (op, ref) in enumerate([("sum", _sum(xs)), ("max", stack.amax(0)),
                                            ("min", stack.amin(0)), ("product", stack.prod(0))]):
@@ -144,14 +148,14 @@ def _rank_collectives(ctx, case):
 
             # reduce_scatter: every rank's full (n*m, ...) input, summed; this rank keeps rows [me*m, (me+1)*m)
             full = (n * m,) + tail
-            ins = [_gen(seed, 1, r, full, dt) for r in range(n)]
-            out = torch.full(shard, 7, dtype=dt)
+            ins = [_gen(seed, 1, r, full, dt, dev) for r in range(n)]
+            out = torch.full(shard, 7, dtype=dt, device=dev)
             done(comm.reduce_scatter(out, ins[me].clone(), g, async_op=async_op, tag="rs"))
             assert_close(out, _sum(ins)[me * m:(me + 1) * m])
             expect("reduce_scatter", g, "rs", _nbytes(full, dt), _ring("reduce_scatter", n, _nbytes(full, dt)))
 
             # all_gather: every rank's shard, concatenated in rank order
-            out = torch.full(full, 7, dtype=dt)
+            out = torch.full(full, 7, dtype=dt, device=dev)
             done(comm.all_gather(out, xs[me].clone(), g, async_op=async_op, tag="ag"))
             assert torch.equal(out, torch.cat(xs))
             expect("all_gather", g, "ag", _nbytes(full, dt), _ring("all_gather", n, _nbytes(full, dt)))
@@ -163,17 +167,17 @@ def _rank_collectives(ctx, case):
             expect("broadcast", g, "bcast", _nbytes(shard, dt), _ring("broadcast", n, _nbytes(shard, dt)))
 
             # all_to_all, equal splits: rank j's rows [me*m, (me+1)*m) land in block j of this rank's output
-            a2a = [_gen(seed, 2, r, full, dt) for r in range(n)]
-            out = torch.full(full, 7, dtype=dt)
+            a2a = [_gen(seed, 2, r, full, dt, dev) for r in range(n)]
+            out = torch.full(full, 7, dtype=dt, device=dev)
             done(comm.all_to_all(out, a2a[me].clone(), g, async_op=async_op, tag="a2a"))
             assert torch.equal(out, torch.cat([a2a[j][me * m:(me + 1) * m] for j in range(n)]))
             row = _nbytes(tail, dt)
             expect("all_to_all", g, "a2a", _nbytes(full, dt), (n - 1) * m * row)
 
             # all_to_all, uneven splits (zero rows allowed): S[i][j] rows go from rank i to rank j
-            ua = [_gen(seed, 3, r, (sum(S[r]),) + tail, dt) for r in range(n)]
+            ua = [_gen(seed, 3, r, (sum(S[r]),) + tail, dt, dev) for r in range(n)]
             in_splits, out_splits = S[me], [S[j][me] for j in range(n)]
-            out = torch.full((sum(out_splits),) + tail, 7, dtype=dt)
+            out = torch.full((sum(out_splits),) + tail, 7, dtype=dt, device=dev)
             done(comm.all_to_all(out, ua[me].clone(), g, output_splits=out_splits, input_splits=in_splits,
                                  async_op=async_op, tag="a2a_uneven"))
             ref = torch.cat([ua[j].split(S[j])[me] for j in range(n)])
@@ -183,8 +187,8 @@ def _rank_collectives(ctx, case):
             # send / recv around a ring: rank r sends its tensor to r+1 and receives r-1's
             if n > 1:
                 nxt, prv = (me + 1) % n, (me - 1) % n
-                mine = _gen(seed, 4, me, shard, dt)
-                inbox = torch.full(shard, 7, dtype=dt)
+                mine = _gen(seed, 4, me, shard, dt, dev)
+                inbox = torch.full(shard, 7, dtype=dt, device=dev)
                 if async_op:
                     hs = comm.send(mine, nxt, g, async_op=True, tag="p2p")
                     hr = comm.recv(inbox, prv, g, async_op=True, tag="p2p")
@@ -199,7 +203,7 @@ def _rank_collectives(ctx, case):
                     assert comm.recv(inbox, prv, g, tag="p2p") is None
                     assert comm.send(mine, nxt, g, tag="p2p") is None
                     order = ("recv", "send")
-                assert torch.equal(inbox, _gen(seed, 4, prv, shard, dt))
+                assert torch.equal(inbox, _gen(seed, 4, prv, shard, dt, dev))
                 for op in order:  # send: payload B, wire B; recv puts nothing on the wire (payload not specified)
                     expect(op, g, "p2p", _nbytes(shard, dt) if op == "send" else None,
                            _nbytes(shard, dt) if op == "send" else 0)
@@ -212,15 +216,15 @@ def _rank_collectives(ctx, case):
             done(comm.broadcast(t, 0, one, async_op=async_op, tag="solo"))
             assert torch.equal(t, xs[me])
             for fn in (comm.all_gather, comm.reduce_scatter, comm.all_to_all):
-                out = torch.full(shard, 7, dtype=dt)
+                out = torch.full(shard, 7, dtype=dt, device=dev)
                 done(fn(out, xs[me], one, async_op=async_op, tag="solo"))
                 assert torch.equal(out, xs[me])
 
             # shape errors are raised on every rank before anything is issued (or recorded)
             with pytest.raises(ValueError, match="all_gather"):
-                comm.all_gather(torch.empty((n * m + 1,) + tail, dtype=dt), xs[me], g, tag="bad")
+                comm.all_gather(torch.empty((n * m + 1,) + tail, dtype=dt, device=dev), xs[me], g, tag="bad")
             with pytest.raises(ValueError, match="reduce_scatter"):
-                comm.reduce_scatter(torch.empty((m + 1,) + tail, dtype=dt), ins[me], g, tag="bad")
+                comm.reduce_scatter(torch.empty((m + 1,) + tail, dtype=dt, device=dev), ins[me], g, tag="bad")
 
         _check_stats(stats, expected)
         # a closed block records nothing more
@@ -266,7 +270,7 @@ def test_collectives_compute_the_math_and_are_counted(pools, case):
 
 def _rank_nested_counting(ctx):
     mesh = Mesh()
-    g, t = mesh.group("dp"), torch.ones(3)
+    g, t = mesh.group("dp"), torch.ones(3, device=ctx.device)
     out = {}
     try:
         # Each scenario on a fresh Comm, so that one scenario's failure cannot leak into the next.
@@ -343,20 +347,20 @@ def _rank_mesh_groups(ctx, layout):
             assert grp.ranks == tuple(mine) and grp.rank == mine.index(me) == coord[axis], (axis, grp, mine)
             assert grp.size == mesh.size(axis) == _axis_sizes(dp, tp, pp, ep)[axis]
             # the raw process group joins exactly these ranks
-            t = torch.tensor([me], dtype=torch.int64)
+            t = torch.tensor([me], dtype=torch.int64, device=ctx.device)
             if grp.pg is None:
                 assert grp.size == 1
             else:
                 dist.all_reduce(t, group=grp.pg)
             assert t.item() == sum(mine), (axis, t.item(), mine)
             # and through Comm, in group order
-            t = torch.tensor([me], dtype=torch.int64)
+            t = torch.tensor([me], dtype=torch.int64, device=ctx.device)
             mesh.comm.all_reduce(t, grp)
             assert t.item() == sum(mine)
-            gathered = torch.empty(grp.size, dtype=torch.int64)
-            mesh.comm.all_gather(gathered, torch.tensor([me]), grp)
+            gathered = torch.empty(grp.size, dtype=torch.int64, device=ctx.device)
+            mesh.comm.all_gather(gathered, torch.tensor([me], device=ctx.device), grp)
             assert gathered.tolist() == mine, (axis, gathered.tolist(), mine)
-            last = torch.tensor([me])
+            last = torch.tensor([me], device=ctx.device)
             mesh.comm.broadcast(last, grp.size - 1, grp)
             assert last.item() == mine[-1]
             seen[axis] = tuple(mine)
@@ -452,7 +456,7 @@ def _rank_bad_meshes(ctx, cases):
     # the world is still in step: a valid mesh works afterwards
     mesh = Mesh()
     try:
-        t = torch.tensor([ctx.rank])
+        t = torch.tensor([ctx.rank], device=ctx.device)
         mesh.comm.all_reduce(t, mesh.group("dp"))
         assert t.item() == sum(range(ctx.world_size))
     finally:
@@ -486,7 +490,7 @@ def _rank_differing_mesh(ctx, cases):
         messages.append(str(info.value))
     mesh = Mesh()
     try:
-        t = torch.tensor([1])
+        t = torch.tensor([1], device=ctx.device)
         mesh.comm.all_reduce(t, mesh.world)
         assert t.item() == ctx.world_size
     finally:
@@ -533,7 +537,7 @@ def _check_region(comm, what, apply, x_local, dy_local, y_ref, dx_ref, fwd_recor
 
 
 def _rank_regions(ctx, case):
-    n, me = ctx.world_size, ctx.rank
+    n, me, dev = ctx.world_size, ctx.rank, ctx.device
     seed, shape, dim, S = case["seed"], tuple(case["shape"]), case["dim"], case["splits"]
     d = dim % len(shape)
     k = shape[d]
@@ -543,10 +547,10 @@ def _rank_regions(ctx, case):
     nb = lambda shp: _nbytes(shp, f32)  # noqa: E731
 
     def per_rank(slot, shp):
-        return [_gen(seed, slot, r, shp) for r in range(n)]
+        return [_gen(seed, slot, r, shp, device=dev) for r in range(n)]
 
     def shared(slot, shp):
-        return _gen(seed, slot, SHARED, shp)
+        return _gen(seed, slot, SHARED, shp, device=dev)
 
     def rec(op, tag, b, wire):
         return [(op, "dp", tag, b, wire)] if n > 1 else []
@@ -605,8 +609,8 @@ def _rank_regions(ctx, case):
         row = nb(tail)
         in_rows = [sum(S[r]) for r in range(n)]
         out_rows = [sum(S[j][r] for j in range(n)) for r in range(n)]
-        xs = [_gen(seed, 12, r, (in_rows[r],) + tail) for r in range(n)]
-        dys = [_gen(seed, 13, r, (out_rows[r],) + tail) for r in range(n)]
+        xs = [_gen(seed, 12, r, (in_rows[r],) + tail, device=dev) for r in range(n)]
+        dys = [_gen(seed, 13, r, (out_rows[r],) + tail, device=dev) for r in range(n)]
         ys, gxs = _reference(lambda *xs: [torch.cat([xs[j].split(S[j])[r] for j in range(n)]) for r in range(n)],
                              xs, dys)
         _check_region(comm, "all_to_all(uneven)",
@@ -629,7 +633,7 @@ def _rank_regions(ctx, case):
 
         # scatter / reduce-scatter of a size the group does not divide: a clear error on every rank
         if n > 1:
-            bad = torch.zeros(shape[:d] + (n * k + 1,) + shape[d + 1:], requires_grad=True)
+            bad = torch.zeros(shape[:d] + (n * k + 1,) + shape[d + 1:], device=dev, requires_grad=True)
             with pytest.raises(ValueError, match="not divisible"):
                 regions.scatter_to_region(bad, comm, g, dim=dim)
             with pytest.raises(ValueError, match="not divisible"):

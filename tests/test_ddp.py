@@ -257,6 +257,78 @@ def test_all_reduce_overlaps_backward(pools):
         assert 0 < launched_before[0] < total
 
 
+# -- what wrapping sets up: buffers from rank 0, gradients in the buckets ---------------
+
+
+class WithBuffers(nn.Module):
+    """A layer plus a float and an integer buffer whose values say which rank built them."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+        self.register_buffer("running_mean", torch.full((4,), float(rank + 1)))
+        self.register_buffer("steps_seen", torch.tensor([10 * (rank + 1)], dtype=torch.int64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + self.running_mean[:2]
+
+
+def _buffers_after_wrap(ctx):
+    model = WithBuffers(ctx.rank).to(ctx.device)
+    before = {n: b.to("cpu", copy=True) for n, b in model.named_buffers()}
+    ShardedModule(model, mesh=Mesh(), strategy="ddp")
+    return before, {n: b.to("cpu", copy=True) for n, b in model.named_buffers()}
+
+
+def test_wrapping_broadcasts_buffers_from_rank_0(pools):
+    """Buffers (float and integer) that differ between ranks before wrapping equal rank 0's on every
+    rank afterwards, as the parameters do: a model built per rank starts from one state."""
+    results = pools.run(3, _buffers_after_wrap)
+    assert [before["running_mean"][0].item() for before, _ in results] == [1.0, 2.0, 3.0]  # they did differ
+    for rank, (_, after) in enumerate(results):
+        assert torch.equal(after["running_mean"], torch.full((4,), 1.0)), f"rank {rank}: {after}"
+        assert torch.equal(after["steps_seen"], torch.tensor([10])), f"rank {rank}: {after}"
+        assert after["steps_seen"].dtype == torch.int64
+
+
+def _grads_are_bucket_views(ctx, set_to_none: bool):
+    cfg = GPTConfig(vocab_size=23, block_size=4, n_layer=2, n_head=2, n_embd=8, tie_weights=True)
+    model = GPT(cfg)
+    ddp = ShardedModule(model, mesh=Mesh(), bucket_cap_mb=2e-3)  # 2 KiB: several buckets
+    opt = ddp.build_optimizer(torch.optim.SGD, lr=0.1)
+    name = {id(p): n for n, p in model.named_parameters()}
+    x = torch.randint(0, 23, (2, 5), generator=torch.Generator().manual_seed(ctx.rank)).to(ctx.device)
+    problems, checked = [], 0
+    for step in range(2):
+        for micro in range(2):  # an accumulating backward under no_sync, then the synchronising one
+            with ddp.no_sync() if micro == 0 else contextlib.nullcontext():
+                gpt_loss(ddp(x[:, :-1]), x[:, 1:]).backward()
+            for b in ddp.strategy.buckets:
+                for i, p in enumerate(b.params):
+                    checked += 1
+                    where = f"step {step} micro-batch {micro}: {name[id(p)]}.grad"
+                    if p.grad is None:
+                        problems.append(f"{where} is None")
+                    elif p.grad.untyped_storage().data_ptr() != b.flat.untyped_storage().data_ptr():
+                        problems.append(f"{where} is not in bucket {b.index}'s flat buffer")
+                    elif p.grad.data_ptr() != b.views[i].data_ptr() or p.grad.shape != p.shape:
+                        problems.append(f"{where} is in bucket {b.index} but not at its own slot")
+        opt.step()
+        opt.zero_grad(set_to_none=set_to_none)
+    n_params = len(list(model.parameters()))
+    return problems, checked, n_params, len(ddp.strategy.buckets)
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_each_grad_is_a_view_into_its_bucket(pools, set_to_none):
+    """After every backward (under no_sync and synchronising; after zero_grad with set_to_none
+    either way), each p.grad shares the storage of its bucket's flat buffer, at its own slot: the
+    all-reduce needs no copy in or out."""
+    for problems, checked, n_params, n_buckets in pools.run(2, _grads_are_bucket_views, set_to_none):
+        assert n_buckets > 1 and checked == 2 * 2 * n_params  # every parameter, every backward
+        assert problems == []
+
+
 # -- configuration errors -----------------------------------------------------------
 
 

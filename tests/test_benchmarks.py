@@ -1,0 +1,71 @@
+"""Smoke runs of the comparison benchmarks: each starts under torchrun with two ranks, trains a tiny
+GPT for a few steps, exits 0 and prints its table, with the minipar/torch ratio and the bytes
+minipar's collective layer counted, which must match the model's parameter bytes.
+
+No timing is asserted: speed targets live in the benchmarks (their ``--check``), never in tests.
+(``zero_vs_torch.py --model linear20`` is the 80M-parameter model of PyTorch's tutorial, with no
+option to shrink it, so the smoke run uses the GPT model at a tiny size instead.)
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import subprocess
+import sys
+
+from minipar.models import GPT, GPTConfig
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TINY = dict(n_layer=1, n_embd=16, n_head=2, vocab=64, seq=16)
+TINY_ARGS = [arg for k, v in TINY.items() for arg in (f"--{k.replace('_', '-')}", str(v))] + ["--batch", "2"]
+
+
+def _tiny_gpt_param_bytes() -> int:
+    """fp32 bytes of the benchmarks' GPT at the TINY size (the tied embedding counted once)."""
+    cfg = GPTConfig(vocab_size=TINY["vocab"], block_size=TINY["seq"], n_layer=TINY["n_layer"],
+                    n_head=TINY["n_head"], n_embd=TINY["n_embd"])
+    return sum(p.numel() * p.element_size() for p in GPT(cfg).parameters() if p.requires_grad)
+
+
+def _torchrun(script: str, *args: str) -> str:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "benchmarks" / script), *args]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, f"{script} exited {out.returncode}:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    return out.stdout
+
+
+def _number(pattern: str, text: str) -> float:
+    m = re.search(pattern, text)
+    assert m, f"{pattern!r} not in the output:\n{text}"
+    return float(m.group(1).replace(",", ""))
+
+
+def test_ddp_vs_torch_runs_and_reports_ratio_and_bytes():
+    """benchmarks/ddp_vs_torch.py: the ratio of median step times is printed, and the bytes
+    all-reduced under the tag "grad" per step equal the parameter bytes (each gradient byte once)."""
+    out = _torchrun("ddp_vs_torch.py", *TINY_ARGS, "--steps", "3", "--warmup", "1")
+    assert _number(r"ratio minipar/torch \(of medians\): ([\d.]+)", out) > 0
+    param_bytes = _tiny_gpt_param_bytes()
+    assert _number(r"all_reduce tag 'grad': ([\d,]+) B in", out) == param_bytes
+    assert _number(r"parameter bytes ([\d,]+) -> equal", out) == param_bytes
+
+
+def test_zero_vs_torch_runs_and_reports_ratios_and_bytes():
+    """benchmarks/zero_vs_torch.py: both minipar/torch ratios are printed; the communication table
+    has every strategy in fp32 and the ZeRO stages in bf16; the parameter count matches the model,
+    ZeRO-3's reduce-scatter moves (N-1)/N of the fp32 gradient bytes, and its measured bytes
+    relative to DDP's equal the exact expectation the benchmark prints."""
+    out = _torchrun("zero_vs_torch.py", "--model", "gpt", *TINY_ARGS, "--steps", "2", "--warmup", "1")
+    for pair in ("mp_zero1/torch_zero1", "mp_zero3/torch_fsdp2"):
+        assert _number(rf"ratio {pair}: ([\d.]+) of medians", out) > 0
+    for precision, strategies in (("fp32", ("ddp", "zero1", "zero2", "zero3")), ("bf16", ("zero1", "zero2", "zero3"))):
+        for strategy in strategies:
+            assert _number(rf"{precision} {strategy}\s+wire total\s+([\d.]+) MiB", out) > 0
+    param_bytes = _tiny_gpt_param_bytes()
+    assert _number(r"Φ = ([\d,]+) parameters", out) * 4 == param_bytes
+    reduce_scatter = _number(r"\(N-1\)/N\*Φ = [\d,]+ \+ ([\d,]+) = [\d,]+ B/step", out)
+    assert reduce_scatter == param_bytes / 2  # N = 2
+    measured = _number(r"zero3/ddp wire bytes: measured ([\d.]+)", out)
+    assert measured == _number(r"Φ_root [\d,]+; ratio ([\d.]+)", out)
