@@ -8,17 +8,59 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def test_gpt_tp_pp_main_job(tmp_path):
+def _main_job(tmp_path, *flags: str, timeout: float = 240) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-           str(ROOT / "benchmarks" / "gpt_tp_pp.py"), "--steps", "5", "--out", str(tmp_path)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+           str(ROOT / "benchmarks" / "gpt_tp_pp.py"), *flags, "--out", str(tmp_path)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+def test_gpt_tp_pp_main_job(tmp_path):
+    """The README's command, unchanged: done within two minutes, its reference check passed, every
+    rank's memory and the bubble (a median over the steady steps, beside the theory) reported, the
+    trace written; the PNG too when matplotlib is importable, else the job says why it has none."""
+    out = _main_job(tmp_path, timeout=120)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "reference check (first 3 steps)" in out.stdout and ": ok |" in out.stdout
+    assert "| reference check (first 3 steps, this run) | largest loss difference" in out.stdout
+    assert ": ok |" in out.stdout and "MISMATCH" not in out.stdout
     result = json.loads((tmp_path / "gpt_tp_pp.json").read_text())
-    assert result["reference_max_diff"] <= 1e-4
+    assert result["reference_max_diff"] <= 1e-4 and result["dtype"] == "fp32"  # the CPU default
+    assert sorted(result["memory"]) == ["0", "1", "2", "3"]
+    assert all(mem["params"] > 0 and mem["optimizer"] > 0 for mem in result["memory"].values())
+    assert len(result["bubble_per_step"]) == 30 - 3  # every steady step, warm-up excluded
+    assert result["bubble_theory"] == 1 / 5  # (p - 1) / (m + p - 1) with p = 2, m = 4
+    assert 0 < result["bubble"] < 1 and "beside (p-1)/(m+p-1) = 0.200" in out.stdout
     trace = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
-    stages = {e["tid"] for e in trace}
-    assert len(stages) == 4 and {e["name"][0] for e in trace} >= {"F", "B"}
+    assert len({e["tid"] for e in trace}) == 4 and {e["name"][0] for e in trace} >= {"F", "B"}
+    png = tmp_path / "timeline.png"
+    try:
+        import matplotlib  # noqa: F401  (the job runs in this interpreter's environment)
+    except ImportError:
+        assert "no PNG: matplotlib is not installed" in out.stdout and not png.exists()
+    else:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_main_job_without_a_pipeline(tmp_path):
+    """--pp 1 (dp=2 x tp=2): no schedule, so no bubble and no timeline, and the job says so."""
+    out = _main_job(tmp_path, "--pp", "1", "--steps", "3")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "| busy fractions, bubble | n/a: pp=1, no pipeline |" in out.stdout
+    assert "timeline: none written (pp=1" in out.stdout and not (tmp_path / "trace.json").exists()
+    assert json.loads((tmp_path / "gpt_tp_pp.json").read_text())["reference_max_diff"] <= 1e-4
+
+
+def test_main_job_in_bf16_and_its_bubble_check(tmp_path):
+    """--dtype bf16: the strict reference check runs on an fp32 run of the layout, the bf16 run is
+    compared with the same reference at bf16's tolerance. --check-bubble 0 allows no difference from
+    the theory at all, so the job reports the bubble check failed and exits 1, its results written."""
+    out = _main_job(tmp_path, "--tp", "1", "--dtype", "bf16", "--steps", "4", "--batch", "4",
+                    "--microbatches", "2", "--check-bubble", "0")
+    assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "FAILED: the bubble is" in out.stdout and "beyond --check-bubble 0%" in out.stdout
+    assert "| reference check (first 3 steps, an fp32 run of this layout) |" in out.stdout
+    result = json.loads((tmp_path / "gpt_tp_pp.json").read_text())
+    assert result["dtype"] == "bf16" and result["reference_max_diff"] <= 1e-4
+    assert 0 < result["bf16_max_rel_diff"] <= 1.6e-2  # bf16 rounding shows, within bf16's tolerance
 
 
 def test_main_job_trains_the_moe_gpt_with_experts_across_data_parallel_ranks(tmp_path):

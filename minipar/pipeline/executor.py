@@ -30,10 +30,21 @@ def run_schedule(stage: nn.Module, actions: list[Action], mesh: Mesh, inputs: li
 
     inputs: the micro-batches of token ids (first stage); targets: of labels (last stage).
     no_sync: entered around every backward but the last, so data-parallel gradient sync happens once.
-    timeline: if given, (action, start, end) in perf_counter seconds is appended for each action.
+    timeline: if given, (action, start, end) in perf_counter seconds is appended for each action (on a
+        GPU: when its kernels ran, see below).
     """
     import time
 
+    # On a GPU, perf_counter around an action would time its kernel launches, not its kernels: there
+    # each action is bracketed by CUDA events on the compute stream (a receive's wait included), read
+    # back once at the end of the step as seconds after an origin event recorded at the start, placed
+    # at the host time of that record (exact when the GPU was idle then, e.g. after a synchronize).
+    # That read is one host sync per step whenever a timeline is kept (ShardedModule keeps one every step).
+    gpu_clock = timeline is not None and mesh.device.type == "cuda"
+    if gpu_clock:
+        origin_s, origin = time.perf_counter(), torch.cuda.Event(enable_timing=True)
+        origin.record()
+        spans = []
     pp = mesh.group("pp")
     comm = mesh.comm
     first, last = pp.rank == 0, pp.rank == pp.size - 1
@@ -49,6 +60,9 @@ def run_schedule(stage: nn.Module, actions: list[Action], mesh: Mesh, inputs: li
     peak_live = 0
     for a in actions:
         t0 = time.perf_counter()
+        if gpu_clock:
+            ev0 = torch.cuda.Event(enable_timing=True)
+            ev0.record()
         i = a.microbatch
         if a.kind == "RECV_ACT":
             buf = torch.empty(act_shape, dtype=act_dtype, device=mesh.device)
@@ -79,8 +93,16 @@ def run_schedule(stage: nn.Module, actions: list[Action], mesh: Mesh, inputs: li
         elif a.kind == "SEND_GRAD":
             grad = received.pop(i).grad
             pending.append((comm.send(grad, pp.rank - 1, pp, async_op=True, tag="pp_grad"), grad))
-        if timeline is not None:
+        if gpu_clock:
+            ev1 = torch.cuda.Event(enable_timing=True)
+            ev1.record()
+            spans.append((str(a), ev0, ev1))
+        elif timeline is not None:
             timeline.append((str(a), t0, time.perf_counter()))
     for handle, _ in pending:
         handle.wait()
+    if gpu_clock:
+        spans[-1][2].synchronize()  # every span's events are on one stream: the last one done, all are
+        timeline.extend((name, origin_s + origin.elapsed_time(e0) / 1e3, origin_s + origin.elapsed_time(e1) / 1e3)
+                        for name, e0, e1 in spans)
     return total, peak_live

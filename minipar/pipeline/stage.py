@@ -6,9 +6,35 @@ for those layers. A tied embedding / LM head lives on the first stage (as the
 embedding) and on the last (as the head): two copies, kept identical by
 summing their gradients between those two stages before every step
 (`sync_tied_grads`).
+
+Where the cuts go. Stage s runs blocks [b_s, b_{s+1}) with 0 = b_0 < b_1 <
+... < b_p = n_layer (every stage at least one block). Its cost is the number
+of parameters it holds,
+
+    c_s = E [s = 0] + H [s = p - 1] + sum over its blocks l of P_l
+
+with P_l block l's parameters, E = wte + wpe (the embedding, on the first
+stage) and H = ln_f + lm_head (on the last; a tied lm_head weight is counted
+once, as the embedding's, so H = ln_f then). The default cut minimises the
+largest c_s (a pipeline step runs at the pace of its fullest stage), and
+among those cuts the most even one (smallest sum of c_s^2), then the one that
+gives earlier stages more blocks. With equal blocks and E = H = 0 this is the
+even split by layer count: n_layer = 5 over 4 stages gives 2, 1, 1, 1.
+
+Parameters stand for both memory (weights, gradients, optimizer state scale
+with them) and compute (a matmul costs 6 FLOPs per parameter per token, forward
+and backward). They overstate the first stage's compute: an embedding lookup
+costs no matmul; and a tied head's matmul runs on the last stage, whose cost
+does not count it.
+
+Explicit boundaries (``GPTStage(..., boundaries=)``, `resolve_boundaries`) are
+either ``p`` block counts, e.g. ``[1, 3]``, or the ``p + 1`` cut points
+b_0..b_p, e.g. ``[0, 1, 4]`` (both: 1 block on stage 0, 3 on stage 1).
 """
 
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 import torch.nn as nn
@@ -16,31 +42,107 @@ import torch.nn as nn
 from ..mesh import Mesh
 
 
-def balanced_boundaries(n_layer: int, stages: int) -> list[int]:
-    """Layer index where each stage starts (stage s runs layers [b[s], b[s+1])), as even as possible."""
+def balanced_boundaries(n_layer: int, stages: int, block_params: Sequence[int] | None = None,
+                        first_params: int = 0, last_params: int = 0) -> list[int]:
+    """The cut points b_0..b_p (stage s runs blocks [b_s, b_{s+1})) that balance the stages' parameters.
+
+    block_params: each block's parameter count (default: 1 each, i.e. balance by layer count);
+    first_params / last_params: what the first / last stage holds besides blocks (E and H above).
+    Raises ValueError when there are more stages than blocks.
+    """
+    if stages < 1:
+        raise ValueError(f"stages={stages} must be at least 1")
     if stages > n_layer:
         raise ValueError(f"{stages} pipeline stages but only {n_layer} layers: use at most {n_layer} stages "
                          "(every stage needs at least one layer)")
-    base, extra = divmod(n_layer, stages)
-    out, start = [], 0
+    sizes = [1] * n_layer if block_params is None else [int(n) for n in block_params]
+    if len(sizes) != n_layer:
+        raise ValueError(f"block_params has {len(sizes)} entries for n_layer={n_layer}")
+    prefix = [0]
+    for n in sizes:
+        prefix.append(prefix[-1] + n)
+
+    def cost(s: int, i: int, j: int) -> int:  # stage s running blocks [i, j)
+        return prefix[j] - prefix[i] + (first_params if s == 0 else 0) + (last_params if s == stages - 1 else 0)
+
+    # Pass 1: the smallest achievable largest stage. worst[s][j]: the best largest cost when stages
+    # 0..s-1 run blocks [0, j). Each stage takes at least one block, so stage s ends in [s+1, n - rest].
+    inf = float("inf")
+    worst = [[inf] * (n_layer + 1) for _ in range(stages + 1)]
+    worst[0][0] = 0
     for s in range(stages):
-        out.append(start)
-        start += base + (1 if s < extra else 0)
-    return out + [n_layer]
+        for j in range(s + 1, n_layer - (stages - 1 - s) + 1):
+            worst[s + 1][j] = min(max(worst[s][i], cost(s, i, j)) for i in range(s, j))
+    limit = worst[stages][n_layer]
+    # Pass 2: under that limit, the smallest sum of squares (additive, so a plain DP is exact); ties
+    # go to the cut whose block counts are lexicographically largest (earlier stages take more).
+    best: list[dict[int, tuple]] = [{0: (0, ())}] + [{} for _ in range(stages)]
+    for s in range(stages):
+        for i, (sq, counts) in best[s].items():
+            for j in range(i + 1, n_layer - (stages - 1 - s) + 1):
+                c = cost(s, i, j)
+                if c > limit:
+                    continue
+                cand = (sq + c * c, counts + (j - i,))
+                old = best[s + 1].get(j)
+                if old is None or (cand[0], tuple(-k for k in cand[1])) < (old[0], tuple(-k for k in old[1])):
+                    best[s + 1][j] = cand
+    counts = best[stages][n_layer][1]
+    return [sum(counts[:s]) for s in range(stages + 1)]
+
+
+def stage_params(gpt: nn.Module) -> tuple[list[int], int, int]:
+    """(each block's parameters, the embedding's E, the head's H) of a GPT, as `balanced_boundaries`
+    takes them; a tied head's weight is counted once, in E."""
+    embedding = list(gpt.wte.parameters()) + list(gpt.wpe.parameters())
+    seen = {id(p) for p in embedding}
+    head = [p for p in list(gpt.ln_f.parameters()) + list(gpt.lm_head.parameters()) if id(p) not in seen]
+    return ([sum(p.numel() for p in block.parameters()) for block in gpt.layers],
+            sum(p.numel() for p in embedding), sum(p.numel() for p in head))
+
+
+def default_boundaries(gpt: nn.Module, stages: int) -> list[int]:
+    """The cut points that balance ``gpt``'s stages by parameter count (see the module docstring)."""
+    blocks, first, last = stage_params(gpt)
+    return balanced_boundaries(len(blocks), stages, blocks, first, last)
+
+
+def resolve_boundaries(spec: Sequence[int], n_layer: int, stages: int) -> list[int]:
+    """Explicit boundaries as cut points: ``spec`` is either ``stages`` block counts (each >= 1, summing
+    to n_layer) or ``stages + 1`` cut points rising strictly from 0 to n_layer. Raises ValueError otherwise."""
+    spec = list(spec)
+    example = f"e.g. {[1] * (stages - 1) + [n_layer - stages + 1]} (block counts) or " \
+              f"{list(range(stages)) + [n_layer]} (cut points)" if stages <= n_layer else ""
+    if not all(isinstance(b, int) and not isinstance(b, bool) for b in spec):
+        raise ValueError(f"pipeline boundaries {spec} must be integers; {example}")
+    if len(spec) == stages:
+        if any(c < 1 for c in spec) or sum(spec) != n_layer:
+            raise ValueError(f"block counts {spec} must be {stages} numbers, each at least 1, summing to "
+                             f"n_layer={n_layer}; {example}")
+        return [sum(spec[:s]) for s in range(stages + 1)]
+    if len(spec) == stages + 1:
+        if spec[0] != 0 or spec[-1] != n_layer or any(b >= c for b, c in zip(spec, spec[1:])):
+            raise ValueError(f"cut points {spec} must rise strictly from 0 to n_layer={n_layer} "
+                             f"(every stage at least one block); {example}")
+        return spec
+    raise ValueError(f"pipeline boundaries {spec} for {stages} stages: give {stages} block counts or "
+                     f"{stages + 1} cut points; {example}")
 
 
 class GPTStage(nn.Module):
     """One pipeline stage of ``minipar.models.GPT``. Input: token ids (first stage) or the previous
-    stage's hidden states (batch, seq, n_embd); output: hidden states, or logits on the last stage."""
+    stage's hidden states (batch, seq, n_embd); output: hidden states, or logits on the last stage.
 
-    def __init__(self, gpt: nn.Module, stage: int, stages: int, boundaries: list[int] | None = None) -> None:
+    boundaries: None for the parameter-balanced default (`default_boundaries`), else block counts
+    or cut points (`resolve_boundaries`). ``self.boundaries`` holds the cut points used.
+    """
+
+    def __init__(self, gpt: nn.Module, stage: int, stages: int, boundaries: Sequence[int] | None = None) -> None:
         super().__init__()
         cfg = gpt.config
-        bounds = boundaries or balanced_boundaries(cfg.n_layer, stages)
-        if len(bounds) != stages + 1 or bounds[0] != 0 or bounds[-1] != cfg.n_layer or \
-                any(b >= c for b, c in zip(bounds, bounds[1:])):
-            raise ValueError(f"boundaries {bounds} must rise strictly from 0 to n_layer={cfg.n_layer} in "
-                             f"{stages + 1} entries")
+        bounds = default_boundaries(gpt, stages) if boundaries is None else \
+            resolve_boundaries(boundaries, cfg.n_layer, stages)
+        self.boundaries = bounds
         self.first, self.last = stage == 0, stage == stages - 1
         self.layer_offset = bounds[stage]  # this stage's layers.k is the model's layers.(offset + k)
         self.tied = cfg.tie_weights and stages > 1
