@@ -143,9 +143,9 @@ def bf16_policy() -> MixedPrecision:
 def build_model(build, cfg, mesh, args, dtype: str) -> tuple[ShardedModule, object]:
     if dtype == "bf16":  # ZeRO-1: fp32 masters sharded over dp, bf16 compute, fp32 gradient reduction
         model = ShardedModule(build(cfg), mesh=mesh, strategy="zero1", mixed_precision=bf16_policy(),
-                              schedule=args.schedule, microbatches=args.microbatches)
+                              schedule=args.schedule, microbatches=args.microbatches, record_timeline=True)
     else:
-        model = ShardedModule(build(cfg), mesh=mesh, schedule=args.schedule, microbatches=args.microbatches)
+        model = ShardedModule(build(cfg), mesh=mesh, schedule=args.schedule, microbatches=args.microbatches, record_timeline=True)
     return model, model.build_optimizer(torch.optim.AdamW, lr=args.lr, weight_decay=0.1)
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn as nn
@@ -29,7 +29,7 @@ from .mesh import Mesh
 from .moe import check_moe_config, moe_layers, shard_experts
 from .fsdp import select_units
 from .recompute import check_units, checkpoint_modules, select_checkpointed
-from .pipeline import SCHEDULES, GPTStage, balanced_boundaries, run_schedule, sync_tied_grads
+from .pipeline import SCHEDULES, GPTStage, default_boundaries, resolve_boundaries, run_schedule, sync_tied_grads
 from .precision import FP32, MixedPrecision
 from .sharded_optim import ShardedOptimizer, ShardedState
 from .tensor_parallel import clip_grad_norm_ as tp_clip_grad_norm_, parallelize, vocab_parallel_cross_entropy
@@ -55,6 +55,10 @@ class ShardedModule(nn.Module):
         sequence_parallel: split activations along the sequence between tensor-parallel layers.
         schedule: the pipeline schedule when pp > 1: "1f1b" or "gpipe" (``minipar.pipeline.SCHEDULES``).
         microbatches: micro-batches per step when pp > 1; the batch must divide by it.
+        pipeline_boundaries: where to cut the GPT into pp stages: pp block counts or pp + 1 cut points;
+            default: balanced by parameter count (`minipar.pipeline.default_boundaries`).
+        record_timeline: keep each stage's (action, start, end) of the last pipeline step in
+            ``self.timeline`` (on a GPU this times with CUDA events and costs one host sync per step).
         activation_checkpointing: recompute chosen blocks in backward instead of keeping their
             activations: True (each nn.ModuleList entry: the transformer blocks), a tuple of module
             classes, or a callable(module) -> bool; dropout masks are replayed (`minipar.recompute`).
@@ -68,7 +72,8 @@ class ShardedModule(nn.Module):
                  bucket_cap_mb: float = 25.0, mixed_precision: MixedPrecision | None = None,
                  cpu_offload: bool = False, wrap_policy=None, reshard_after_forward: bool = True,
                  tp_plan: dict | None = None, sequence_parallel: bool = False,
-                 schedule: str = "1f1b", microbatches: int = 1, activation_checkpointing: Any = False) -> None:
+                 schedule: str = "1f1b", microbatches: int = 1, pipeline_boundaries: Sequence[int] | None = None,
+                 record_timeline: bool = False, activation_checkpointing: Any = False) -> None:
         super().__init__()
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
@@ -97,7 +102,8 @@ class ShardedModule(nn.Module):
                                  "data-parallel axis and tp without sequence parallelism or CPU offload, for now")
             if not hasattr(module, "config") or not hasattr(module, "layers"):
                 raise ValueError(f"pipeline stages are cut from a minipar.models.GPT; got {type(module).__name__}")
-            balanced_boundaries(module.config.n_layer, mesh.pp)  # more stages than layers -> ValueError
+            boundaries = default_boundaries(module, mesh.pp) if pipeline_boundaries is None else \
+                resolve_boundaries(pipeline_boundaries, module.config.n_layer, mesh.pp)  # bad cuts -> ValueError
         experts = moe_layers(module)
         if experts and strategy != "ddp":
             raise ValueError("mixture-of-experts layers train with strategy='ddp' (expert gradients reduced over "
@@ -110,10 +116,12 @@ class ShardedModule(nn.Module):
                              "expert parallelism has nothing to split; build the mesh with ep=1")
         for layer in experts:  # experts not divisible by ep, on every rank before any collective
             check_moe_config(layer.n_experts, layer.top_k, layer.capacity_factor, mesh.ep)
+        if strategy in ("zero3", "fsdp"):  # a wrap policy that matches nothing raises here
+            units = [n for n, _ in select_units(module, wrap_policy)]
         if activation_checkpointing is not False:  # a policy that matches nothing, or cuts a zero3 unit
             chosen = select_checkpointed(module, activation_checkpointing)
             if strategy in ("zero3", "fsdp"):
-                check_units(chosen, [n for n, _ in select_units(module, wrap_policy)])
+                check_units(chosen, units)
         if mesh.tp > 1 and tp_plan is None and not hasattr(module, "tp_plan"):
             raise ValueError(f"the mesh has tp={mesh.tp} but {type(module).__name__} has no tp_plan(); pass "
                              "tp_plan={'module.pattern': 'colwise' | 'rowwise' | 'vocab', ...}")
@@ -123,11 +131,14 @@ class ShardedModule(nn.Module):
             "strategy": strategy, "bucket_cap_mb": bucket_cap_mb, "mixed_precision": repr(mixed_precision),
             "cpu_offload": cpu_offload, "wrap_policy": repr(wrap_policy), "reshard": reshard_after_forward,
             "tp_plan": repr(tp_plan), "sequence_parallel": sequence_parallel, "schedule": schedule,
-            "microbatches": microbatches, "activation_checkpointing": activation_checkpointing if isinstance(activation_checkpointing, (bool, tuple))
+            "microbatches": microbatches, "pipeline_boundaries": repr(pipeline_boundaries),
+            "activation_checkpointing": activation_checkpointing if isinstance(activation_checkpointing, (bool, tuple))
             else getattr(activation_checkpointing, "__qualname__", repr(activation_checkpointing))}, mesh.world)
         self.mesh = mesh
         self.strategy_name = strategy
         self.schedule, self.microbatches = schedule, microbatches
+        self.record_timeline = record_timeline
+        self.timeline: list = []  # (action, start, end) of this stage's last step, when recorded
         plan = None
         if mesh.tp > 1:
             plan = tp_plan if tp_plan is not None else module.tp_plan(mesh.tp, sequence_parallel=sequence_parallel)
@@ -135,7 +146,7 @@ class ShardedModule(nn.Module):
             v, c = module.wte.weight.shape
             self._tied_shape = (v // mesh.tp, c)  # this rank's piece of a tied embedding/head
             self._hidden = module.config.n_embd
-            module = GPTStage(module, mesh.pp_rank, mesh.pp)
+            module = GPTStage(module, mesh.pp_rank, mesh.pp, boundaries)
             if plan is not None:  # a stage has only some of the modules the plan names
                 names = [n for n, _ in module.named_modules() if n]
                 plan = {k: v for k, v in plan.items() if any(fnmatch.fnmatchcase(n, k) for n in names)}
@@ -199,13 +210,14 @@ class ShardedModule(nn.Module):
             layer.aux_scale = 1.0 / m
         act_shape = (inputs.shape[0] // m, inputs.shape[1], self._hidden)
         actions = SCHEDULES[self.schedule](mesh.pp, m)[mesh.pp_rank]
-        self.timeline: list = []  # (action, start, end) of this stage's last step
+        self.timeline = [] if self.record_timeline else self.timeline
         scaler = getattr(self.strategy, "scaler", None)
         scale = scaler.scale if scaler is not None and scaler.enabled else None
         stage_loss = loss_fn if scale is None else (lambda out, y: loss_fn(out, y) * scale)  # fp16: scaled backward
         loss, self.peak_live_activations = run_schedule(stage, actions, mesh, list(inputs.chunk(m)) if stage.first else None,
                             list(targets.chunk(m)) if stage.last else None, stage_loss, act_shape,
-                            next(stage.parameters()).dtype, no_sync=self.strategy.no_sync, timeline=self.timeline)
+                            next(stage.parameters()).dtype, no_sync=self.strategy.no_sync,
+                            timeline=self.timeline if self.record_timeline else None)
         if isinstance(self.strategy, (Zero1, Zero2)):  # their gradients are already in the dp shards
             self._sync_tied_grad_shards()
         else:  # DDP: the averaged p.grad

@@ -103,10 +103,10 @@ def test_explicit_boundaries_are_block_counts_or_cut_points():
 
 
 @pytest.mark.parametrize("spec, match", [
-    ([2, 1], "block counts \\[2, 1\\] must be 2 numbers, each at least 1, summing to n_layer=4"),
+    ([2, 1], "pipeline_boundaries=\\[2, 1\\] as block counts must be 2 numbers, each at least 1, summing to n_layer=4"),
     ([4, 0], "each at least 1"),
-    ([0, 2, 2, 4], "pipeline boundaries \\[0, 2, 2, 4\\] for 2 stages: give 2 block counts or 3 cut points"),
-    ([0, 3, 3], "cut points \\[0, 3, 3\\] must rise strictly from 0 to n_layer=4"),
+    ([0, 2, 2, 4], "pipeline_boundaries=\\[0, 2, 2, 4\\] for 2 stages: give 2 block counts or 3 cut points"),
+    ([0, 3, 3], "pipeline_boundaries=\\[0, 3, 3\\] as cut points must rise strictly from 0 to n_layer=4"),
     ([1, 2, 4], "must rise strictly from 0"),
     ([1.5, 2.5], "must be integers"),
 ])
@@ -222,11 +222,11 @@ def _assert_tied_copies_identical(results: list[dict], tied: bool) -> None:
 # -- pipeline (with dp or tp beside it) equals the single-process run ---------------------------
 
 def _train_pp(ctx, layout: dict, cfg: dict, data: torch.Tensor, schedule: str, m: int, max_norm: float,
-              strategy: str = "ddp", precision: str = "fp32"):
+              strategy: str = "ddp", precision: str = "fp32", boundaries=None):
     """data: (steps, global batch, seq + 1); this rank takes its data-parallel slice of each step."""
     mesh = Mesh(**layout)
     model = ShardedModule(GPT(GPTConfig(**cfg)), mesh=mesh, strategy=strategy, schedule=schedule, microbatches=m,
-                          mixed_precision=PRECISIONS[precision], bucket_cap_mb=1e-3)
+                          mixed_precision=PRECISIONS[precision], bucket_cap_mb=1e-3, pipeline_boundaries=boundaries)
     local = data.shape[1] // mesh.dp
     steps = [data[s, mesh.dp_rank * local:(mesh.dp_rank + 1) * local].to(ctx.device) for s in range(data.shape[0])]
     out = _report(model, *_train(model, steps, max_norm))
@@ -262,6 +262,23 @@ def test_pipeline_equals_single_process(pools, layout, schedule, m, n_layer, tie
     for r in results:
         bound = min(pp - r["pp_rank"], m) if schedule == "1f1b" else m
         assert max(r["peaks"]) == bound, (schedule, r["pp_rank"], r["peaks"])
+
+
+@pytest.mark.parametrize("layout, boundaries", [("pp2", [1, 4]), ("pp2", [0, 3, 5]), ("pp4", [2, 1, 1, 1])])
+def test_explicit_pipeline_boundaries(pools, layout, boundaries):
+    """``pipeline_boundaries`` (block counts or cut points) places the blocks where asked: each
+    stage holds that many blocks, and training equals the reference as with the balanced default."""
+    world, mesh_sizes = LAYOUTS[layout]
+    cfg = dict(vocab_size=24, block_size=5, n_layer=5, n_head=2, n_embd=8, tie_weights=True, seed=31)
+    data = torch.randint(0, 24, (3, 2, 6), generator=torch.Generator().manual_seed(32))
+    ref = _reference(cfg, list(data), 0.05)
+    results = pools.run(world, _train_pp, mesh_sizes, cfg, data, "1f1b", 2, 0.05, "ddp", "fp32", boundaries)
+    _assert_equal_to_reference(results, ref)
+    counts = boundaries if len(boundaries) == mesh_sizes["pp"] else \
+        [b - a for a, b in zip(boundaries, boundaries[1:])]
+    for r in results:
+        blocks = {k.split(".")[1] for k in r["grads"] if k.startswith("layers.")}
+        assert len(blocks) == counts[r["pp_rank"]], (boundaries, r["pp_rank"], sorted(blocks))
 
 
 def _sweep_microbatches(ctx, layout: dict, cfg: dict, data: torch.Tensor, schedule: str, counts: list[int]):
@@ -300,7 +317,7 @@ def _count_grad_sync(ctx, strategy: str, counts: list[int]):
         mesh = Mesh(pp=2, dp=2)
         cfg = GPTConfig(vocab_size=24, block_size=5, n_layer=2, n_head=2, n_embd=8, seed=3)
         model = ShardedModule(GPT(cfg), mesh=mesh, strategy=strategy, schedule="1f1b", microbatches=m,
-                              bucket_cap_mb=1e-3)  # ~1 KiB buckets: many of them, so counts mean something
+                              bucket_cap_mb=1e-3, record_timeline=True)  # ~1 KiB buckets: many of them, so counts mean something
         opt = model.build_optimizer(torch.optim.AdamW, lr=LR)
         x = torch.randint(0, 24, (8, 6), generator=torch.Generator().manual_seed(mesh.dp_rank))
         for _ in range(2):
@@ -359,6 +376,7 @@ def _bad(ctx, kwargs, layout):
     ({}, dict(pp=4), "4 pipeline stages but only 2 layers"),
     ({"schedule": "zigzag"}, dict(pp=2), "unknown schedule 'zigzag'; choose one of gpipe, 1f1b"),
     ({"microbatches": 2}, dict(pp=2), "a batch of 3 does not split into microbatches=2"),
+    ({"pipeline_boundaries": [2, 1]}, dict(pp=2), "pipeline_boundaries"),
 ])
 def test_bad_pipeline_configurations_raise(pools, kwargs, layout, match):
     world = 4 if layout["pp"] == 4 else 2

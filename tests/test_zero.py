@@ -501,9 +501,6 @@ def _wrap_policy_error_collectives(ctx):
     return [(r.op, r.tag) for r in stats.records]
 
 
-@pytest.mark.xfail(strict=True, reason="library: sharded.py checks a zero3 wrap_policy only inside Zero3(...), "
-                                       "after the configuration check_same (one all_gather_object); every rank "
-                                       "still raises, so nothing hangs, but STYLE.md wants it before any collective")
 def test_wrap_policy_matching_nothing_raises_before_any_collective(pools):
     """A configuration error (a zero3 wrap policy matching no submodule) is raised on every rank
     before any collective is issued (STYLE.md, house rules)."""

@@ -2,7 +2,7 @@
 
 from .executor import run_schedule
 from .schedule import KINDS, SCHEDULES, Action, gpipe, one_f_one_b, simulate
-from .stage import GPTStage, balanced_boundaries, sync_tied_grads
+from .stage import GPTStage, balanced_boundaries, default_boundaries, resolve_boundaries, stage_params, sync_tied_grads
 
 __all__ = ["Action", "KINDS", "SCHEDULES", "gpipe", "one_f_one_b", "simulate", "GPTStage", "balanced_boundaries",
-           "sync_tied_grads", "run_schedule"]
+           "default_boundaries", "resolve_boundaries", "stage_params", "sync_tied_grads", "run_schedule"]

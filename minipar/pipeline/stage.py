@@ -114,18 +114,18 @@ def resolve_boundaries(spec: Sequence[int], n_layer: int, stages: int) -> list[i
     example = f"e.g. {[1] * (stages - 1) + [n_layer - stages + 1]} (block counts) or " \
               f"{list(range(stages)) + [n_layer]} (cut points)" if stages <= n_layer else ""
     if not all(isinstance(b, int) and not isinstance(b, bool) for b in spec):
-        raise ValueError(f"pipeline boundaries {spec} must be integers; {example}")
+        raise ValueError(f"pipeline_boundaries={spec} must be integers; {example}")
     if len(spec) == stages:
         if any(c < 1 for c in spec) or sum(spec) != n_layer:
-            raise ValueError(f"block counts {spec} must be {stages} numbers, each at least 1, summing to "
+            raise ValueError(f"pipeline_boundaries={spec} as block counts must be {stages} numbers, each at least 1, summing to "
                              f"n_layer={n_layer}; {example}")
         return [sum(spec[:s]) for s in range(stages + 1)]
     if len(spec) == stages + 1:
         if spec[0] != 0 or spec[-1] != n_layer or any(b >= c for b, c in zip(spec, spec[1:])):
-            raise ValueError(f"cut points {spec} must rise strictly from 0 to n_layer={n_layer} "
+            raise ValueError(f"pipeline_boundaries={spec} as cut points must rise strictly from 0 to n_layer={n_layer} "
                              f"(every stage at least one block); {example}")
         return spec
-    raise ValueError(f"pipeline boundaries {spec} for {stages} stages: give {stages} block counts or "
+    raise ValueError(f"pipeline_boundaries={spec} for {stages} stages: give {stages} block counts or "
                      f"{stages + 1} cut points; {example}")
 
 
