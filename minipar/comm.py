@@ -179,10 +179,13 @@ class Comm:
         return dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=group.pg, async_op=async_op)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, group: AxisGroup,
-                       op: str = "sum", async_op: bool = False, tag: str | None = None):
+                       op: str = "sum", async_op: bool = False, tag: str | None = None,
+                       input_is_scratch: bool = False):
         """output <- shard ``group.rank`` (along dim 0) of the op-reduction of every rank's input.
 
-        input: (n * m, ...) full; output: (m, ...) this rank's shard.
+        input: (n * m, ...) full; output: (m, ...) this rank's shard. ``input_is_scratch``: the
+        caller will not read ``input`` again, so it may be overwritten (gloo then reduces it in
+        place instead of reducing a copy).
         """
         n = group.size
         if input.shape[0] != n * output.shape[0]:
@@ -196,7 +199,7 @@ class Comm:
         if _is_gloo(group):
             # gloo's reduce-scatter copies the input and all-reduces all of it anyway, then scatters:
             # doing that ourselves (one copy, one all-reduce, keep our slice) takes half the time.
-            full = input.clone()
+            full = input if input_is_scratch else input.clone()
             m = output.shape[0]
             work = dist.all_reduce(full, op=_REDUCE_OPS[op], group=group.pg, async_op=True)
             handle = _Joined([work], lambda: output.copy_(full[group.rank * m:(group.rank + 1) * m]))

@@ -198,7 +198,7 @@ class Zero3(ShardedState):
             if not self._callback_queued:
                 self._callback_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-            u.grads.add(i, p.grad)
+            u.grads.add(i, p.grad, self.group.size)
             p.grad = None
             if u.grads.complete:
                 self._post_backward(u)

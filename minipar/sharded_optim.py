@@ -74,19 +74,24 @@ class GradStaging:
             self._views = self.group.layout.views(self._flat)
         return self._flat
 
-    def add(self, i: int, grad: torch.Tensor) -> None:
+    def add(self, i: int, grad: torch.Tensor, divisor: int) -> None:
+        """Stage ``grad / divisor`` (the sum over ranks of grad / N is the mean): one pass over it."""
         if self.ready[i]:
             raise RuntimeError("a parameter received its gradient twice in one backward; ZeRO reduce-scatters "
                                "each gradient once per backward")
         self._buffer()
-        self._views[i].copy_(grad)
+        view = self._views[i]
+        if grad.dtype == view.dtype:
+            torch.div(grad, divisor, out=view)
+        else:  # divide in the staging (reduce) dtype, not in the gradient's lower one
+            view.copy_(grad).div_(divisor)
         self.ready[i] = True
 
     def launch(self, comm: Comm, axis: AxisGroup) -> None:
         flat = self._buffer()
-        flat.div_(axis.size)  # the sum over ranks of grad / N is the mean
         self._out = torch.empty(self.group.layout.shard_size, dtype=flat.dtype, device=flat.device)
-        self._work = comm.reduce_scatter(self._out, flat, axis, async_op=True, tag="grad")
+        # the staging buffer is ours and dropped at land: it may be reduced in place
+        self._work = comm.reduce_scatter(self._out, flat, axis, async_op=True, tag="grad", input_is_scratch=True)
 
     def land(self, accumulate: bool = True) -> None:
         """Wait for the reduce-scatter and add its result into the gradient shard (accumulating over

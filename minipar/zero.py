@@ -83,7 +83,7 @@ class _BucketedShards(ShardedState):
             if not self._callback_queued:
                 self._callback_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-            b.add(i, p.grad)
+            b.add(i, p.grad, self.group.size)
             if not self.keeps_full_grads:
                 p.grad = None  # the full gradient lives only in the bucket until it is reduce-scattered
             self.order.launch_ready()  # in bucket order, on every rank alike
@@ -178,7 +178,7 @@ class Zero1(_BucketedShards):
         for b in self.order.unlaunched():
             for i, p in enumerate(b.group.layout.params):
                 if not b.ready[i] and p.grad is not None:
-                    b.add(i, p.grad)
+                    b.add(i, p.grad, self.group.size)
 
     def _allocate_shards(self) -> None:
         for g in self.groups:
