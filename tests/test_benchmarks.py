@@ -9,6 +9,7 @@ option to shrink it, so the smoke run uses the GPT model at a tiny size instead.
 
 from __future__ import annotations
 
+import os
 import pathlib
 import re
 import subprocess
@@ -69,3 +70,20 @@ def test_zero_vs_torch_runs_and_reports_ratios_and_bytes():
     assert reduce_scatter == param_bytes / 2  # N = 2
     measured = _number(r"zero3/ddp wire bytes: measured ([\d.]+)", out)
     assert measured == _number(r"Φ_root [\d,]+; ratio ([\d.]+)", out)
+
+
+def test_kernel_benchmark_without_a_gpu_says_so_and_its_smoke_run_covers_every_kernel():
+    """benchmarks/kernels.py times kernels on a GPU only: without one it says so and exits 0. Its
+    --smoke run (tiny CPU sizes, the Triton interpreter) goes through every row of the table, so
+    the GPU run is not the first time the script's code paths execute."""
+    script = str(ROOT / "benchmarks" / "kernels.py")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0 and "no CUDA device here" in out.stdout, out.stdout + out.stderr[-2000:]
+    smoke = subprocess.run([sys.executable, script, "--smoke"], capture_output=True, text=True, timeout=600,
+                           env={**env, "TRITON_INTERPRET": "1"})
+    assert smoke.returncode == 0, smoke.stdout[-3000:] + smoke.stderr[-3000:]
+    assert "Triton path: True" in smoke.stdout
+    for kernel in ("layer_norm", "rms_norm", "gelu", "swiglu", "cross_entropy", "permute", "unpermute",
+                   "scale_cast", "AdamW step"):
+        assert f"| {kernel}" in smoke.stdout, (kernel, smoke.stdout)
