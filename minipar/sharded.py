@@ -301,6 +301,23 @@ class ShardedModule(nn.Module):
                                                 ignore_index=ignore_index, label_smoothing=label_smoothing)
         return kernels.cross_entropy(logits, targets, ignore_index=ignore_index, label_smoothing=label_smoothing)
 
+    @torch.no_grad()
+    def moe_stats(self) -> dict[str, float]:
+        """The mixture-of-experts figures of the last forward for the whole job, equal on every rank:
+        auxiliary and z losses averaged over every MoE layer of every stage and data-parallel rank,
+        dropped assignments summed over them. {} for a model without MoE layers."""
+        layers = [m for m in moe_layers(self.module) if m.last_aux is not None]
+        if not moe_layers(self.module) and self.mesh.pp == 1:
+            return {}
+        part = torch.tensor([sum(float(m.last_aux) for m in layers), sum(float(m.last_z) for m in layers),
+                             float(len(layers)), float(sum(m.last_dropped for m in layers))],
+                            dtype=torch.float64, device=self.mesh.device)
+        # stages hold different layers; dp ranks route different tokens; tp ranks route the same ones
+        self.mesh.comm.all_reduce(part, self.mesh.group("pp"), tag="moe_stats")
+        self.mesh.comm.all_reduce(part, self.mesh.group("dp"), tag="moe_stats")
+        aux, z, n, dropped = part.tolist()
+        return {"aux": aux / n, "z": z / n, "dropped": int(dropped)} if n else {}
+
     def memory_stats(self) -> dict[str, int]:
         """{"params", "grads", "optimizer"}: bytes of persistent state this rank holds (no transient buffers)."""
         if isinstance(self.strategy, ShardedState):

@@ -178,8 +178,9 @@ def test_communication_per_layer_matches_theory(pools, sequence_parallel):
 # -- composition with data parallelism -------------------------------------------------
 
 
-def _train_dp_tp(ctx, strategy: str, cfg: dict, data: torch.Tensor, sequence_parallel: bool, max_norm: float):
-    mesh = Mesh(dp=2, tp=2)
+def _train_dp_tp(ctx, strategy: str, cfg: dict, data: torch.Tensor, sequence_parallel: bool, max_norm: float,
+                 tp: int = 2):
+    mesh = Mesh(dp=2, tp=tp)
     model = GPT(GPTConfig(**cfg))
     sharded = ShardedModule(model, mesh=mesh, strategy=strategy, sequence_parallel=sequence_parallel,
                             bucket_cap_mb=1e-3)
@@ -206,13 +207,25 @@ def test_tensor_parallel_composes_with_data_parallel(pools, strategy, sequence_p
     losses, gradient norms, gradients and the full state dict (original names, gathered shards)
     after three steps equal the single-process run on the global batch."""
     cfg = dict(vocab_size=26, block_size=4, n_layer=2, n_head=2, n_embd=12, bias=True, tie_weights=True, seed=4)
-    data = torch.randint(0, 26, (3, 4, 5), generator=torch.Generator().manual_seed(8))
+    _check_dp_tp(pools, strategy, sequence_parallel, cfg, tp=2)
+
+
+@pytest.mark.parametrize("strategy, sequence_parallel", [("ddp", True), ("zero1", False), ("zero3", True)])
+def test_tp4_composes_with_dp2_on_eight_ranks(pools, strategy, sequence_parallel):
+    """dp=2 x tp=4 (8 processes): as above, with four heads split one per tp rank."""
+    cfg = dict(vocab_size=28, block_size=4, n_layer=2, n_head=4, n_embd=16, bias=True, tie_weights=True, seed=6)
+    _check_dp_tp(pools, strategy, sequence_parallel, cfg, tp=4)
+
+
+def _check_dp_tp(pools, strategy: str, sequence_parallel: bool, cfg: dict, tp: int) -> None:
+    data = torch.randint(0, cfg["vocab_size"], (3, 4, 5), generator=torch.Generator().manual_seed(8))
     ref_losses, ref_norms, ref_grads, ref_params = _train_reference(cfg, data, 0.05, 2.0)
+    assert max(ref_norms) > 0.05
     f32 = lambda xs: torch.tensor(xs, dtype=torch.float32)  # noqa: E731
     ref_state = GPT(GPTConfig(**cfg))
     ref_state.load_state_dict({k: v.detach() for k, v in ref_params.items()}, strict=False)
     for rank, (losses, norms, grads, state) in enumerate(
-            pools.run(4, _train_dp_tp, strategy, cfg, data, sequence_parallel, 0.05)):
+            pools.run(2 * tp, _train_dp_tp, strategy, cfg, data, sequence_parallel, 0.05, tp)):
         torch.testing.assert_close(f32(losses), f32(ref_losses), msg=lambda m: f"rank {rank} losses: {m}")
         torch.testing.assert_close(f32(norms), f32(ref_norms), msg=lambda m: f"rank {rank} norms: {m}")
         for n, g in ref_grads.items():
@@ -298,28 +311,48 @@ LLAMA_PLAN = {
 }
 
 
-def _llama(ctx, sequence_parallel: bool, ids: torch.Tensor):
+def _llama(ctx, sequence_parallel: bool, data: torch.Tensor):
     mesh = Mesh(tp=ctx.world_size)
     model = parallelize(LlamaLike(), mesh, LLAMA_PLAN, sequence_parallel=sequence_parallel)
-    loss = vocab_parallel_cross_entropy(model(ids[:, :-1]), ids[:, 1:], mesh.comm, mesh.group("tp"))
-    loss.backward()
-    grads = _full(model, mesh, {n: p.grad for n, p in model.named_parameters()})
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, eps=EPS)
+    losses, grads = [], []
+    for ids in data:
+        loss = vocab_parallel_cross_entropy(model(ids[:, :-1]), ids[:, 1:], mesh.comm, mesh.group("tp"))
+        loss.backward()
+        grads.append(_full(model, mesh, {n: p.grad for n, p in model.named_parameters()}))
+        clip_grad_norm_(model, mesh, 0.05)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    params = _full(model, mesh, dict(model.named_parameters()))
     mesh.destroy()
-    return loss.item(), grads
+    return losses, grads, params
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_plan_parallelizes_a_model_minipar_did_not_write(pools, sequence_parallel):
-    """A Llama-style model parallelized from a plan alone computes the same loss and gradients."""
-    ids = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(2))
+    """A Llama-style model parallelized from a plan alone trains as the original: losses, gradients
+    at every step and parameters after three clipped AdamW steps are equal."""
+    data = torch.randint(0, 32, (3, 2, 9), generator=torch.Generator().manual_seed(2))
     ref = LlamaLike()
-    loss = gpt_loss(ref(ids[:, :-1]), ids[:, 1:])
-    loss.backward()
-    for rank, (tp_loss, grads) in enumerate(pools.run(2, _llama, sequence_parallel, ids)):
-        torch.testing.assert_close(torch.tensor(tp_loss), loss.detach())
-        assert grads.keys() == dict(ref.named_parameters()).keys()
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD, eps=EPS)
+    ref_losses, ref_grads = [], []
+    for ids in data:
+        loss = gpt_loss(ref(ids[:, :-1]), ids[:, 1:])
+        loss.backward()
+        ref_grads.append({n: p.grad.clone() for n, p in ref.named_parameters()})
+        assert torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05) > 0.05  # clipping fires
+        opt.step()
+        opt.zero_grad()
+        ref_losses.append(loss.item())
+    for rank, (losses, grads, params) in enumerate(pools.run(2, _llama, sequence_parallel, data)):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))
+        for step, (got, want) in enumerate(zip(grads, ref_grads)):
+            assert got.keys() == want.keys()
+            for n, g in want.items():
+                torch.testing.assert_close(got[n], g, msg=lambda m: f"rank {rank} step {step} grad {n}: {m}")
         for n, p in ref.named_parameters():
-            torch.testing.assert_close(grads[n], p.grad, msg=lambda m: f"rank {rank} {n}: {m}")
+            torch.testing.assert_close(params[n], p.detach(), msg=lambda m: f"rank {rank} {n}: {m}")
 
 
 class _CallsProjectionsDirectly(nn.Module):
