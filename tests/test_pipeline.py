@@ -28,7 +28,7 @@ from minipar.pipeline.stage import GPTStage, balanced_boundaries, default_bounda
     stage_params
 from minipar.sharded_optim import ShardedState
 
-from helpers import EPS, LR, WD
+from helpers import EPS, LR, WD, accumulated_step
 from test_zero import PRECISIONS, _train_reference
 
 # name -> (world size, mesh sizes): every layout of 4 processes with pp > 1, and pp=2 alone.
@@ -454,3 +454,45 @@ def test_dp_tp_pp_all_greater_than_one(pools, strategy):
     """8 processes as dp=2 x tp=2 x pp=2 with a tied head, each data-parallel strategy: the full
     composition equals the reference."""
     _check_pp_sharded(pools, 8, dict(dp=2, tp=2, pp=2), strategy, "fp32", "1f1b", 2, True, 7)
+
+
+# -- fp16 with dynamic loss scaling under pp ---------------------------------------------------------
+
+def _fp16_run(ctx, layout: dict, data: torch.Tensor, m: int):
+    """zero1 with fp16 compute and a dynamic loss scale, three steps on the whole batch (dp = 1)."""
+    from minipar import MixedPrecision
+    mesh = Mesh(**layout)
+    policy = MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float32, init_scale=2.0**12)
+    cfg = GPTConfig(vocab_size=24, block_size=5, n_layer=2, n_head=2, n_embd=8, bias=False, seed=41)
+    extra = dict(schedule="1f1b", microbatches=m) if mesh.pp > 1 else {}
+    model = ShardedModule(GPT(cfg), mesh=mesh, strategy="zero1", mixed_precision=policy, **extra)
+    opt = model.build_optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD, eps=EPS)
+    losses = []
+    for x in data:
+        if mesh.pp > 1:
+            losses.append(model.train_step(x[:, :-1], x[:, 1:], gpt_loss).item())
+        else:  # the same micro-batches, accumulated: the pipeline's arithmetic without the pipeline
+            losses.append(accumulated_step(model, x.reshape(m, -1, x.shape[-1]), slice(None), ctx.device))
+        model.clip_grad_norm_(0.05)
+        opt.step()
+        opt.zero_grad()
+    scale = model.strategy.scaler.scale
+    state = {k: v.cpu() for k, v in model.full_state_dict().items()}
+    mesh.destroy()
+    return losses, scale, state
+
+
+def test_fp16_loss_scaling_under_the_pipeline_equals_one_process(pools):
+    """pp=2 with ZeRO-1 in fp16 (the loss scaled on the last stage, gradients crossing stages in
+    fp16, the scale divided out and agreed on by every rank) trains as one process doing the same
+    casts with the same micro-batches; both keep the scale they started with (no overflow)."""
+    data = torch.randint(0, 24, (3, 4, 6), generator=torch.Generator().manual_seed(42))
+    ref_losses, ref_scale, ref_state = pools.run(1, _fp16_run, {}, data, 2)[0]
+    results = pools.run(2, _fp16_run, dict(pp=2), data, 2)
+    for rank, (losses, scale, state) in enumerate(results):
+        assert scale == ref_scale == 2.0**12
+        # fp16 rounding differs where the two runs cast a stage boundary's activations: compare at
+        # fp16's tolerance, parameters to a tenth of one Adam step
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-3, atol=1e-3)
+        for k, v in ref_state.items():
+            torch.testing.assert_close(state[k], v, rtol=1e-3, atol=0.1 * LR, msg=lambda s: f"rank {rank} {k}: {s}")
