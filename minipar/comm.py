@@ -210,7 +210,8 @@ class Comm:
                    async_op: bool = False, tag: str | None = None):
         """output <- every rank's input, concatenated along dim 0 in group order.
 
-        input: (m, ...) this rank's shard; output: (n * m, ...) full.
+        input: (m, ...) this rank's shard; output: (n * m, ...) full. ``input`` may be output's own
+        slice ``output[rank * m:(rank + 1) * m]`` (in place: NCCL and the gloo path below allow it).
         """
         n = group.size
         if output.shape[0] != n * input.shape[0]:

@@ -49,16 +49,49 @@ class ShardGroup:
         return self.grad_shard[: self.layout.real_len]
 
 
+class StagingPool:
+    """Recycles staging buffers between groups and steps, keeping at most ``keep`` free ones.
+
+    A staging buffer is needed only from a group's first gradient until its
+    reduce-scatter lands, and `LaunchOrder` keeps few alive at once. Allocating
+    each afresh costs, on a CPU, page faults over the whole buffer at every
+    step (large allocations are mapped and unmapped again); a GPU's caching
+    allocator recycles them anyway, and this does the same everywhere. The
+    free buffers are a bounded cache (``keep`` times the largest group), not
+    model state: ``memory_stats`` does not count them.
+    """
+
+    def __init__(self, keep: int = 3) -> None:
+        self.keep = keep
+        self._free: list[torch.Tensor] = []
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A buffer of at least ``numel`` elements (the smallest free one that fits), contents undefined."""
+        fits = [i for i, t in enumerate(self._free) if t.numel() >= numel and t.dtype == dtype and t.device == device]
+        if fits:
+            return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
+        return torch.empty(numel, dtype=dtype, device=device)
+
+    def give(self, buffer: torch.Tensor) -> None:
+        """Return a buffer ``take`` gave out."""
+        self._free.append(buffer)
+        if len(self._free) > self.keep:  # drop the smallest: the largest fit the most groups
+            self._free.pop(min(range(len(self._free)), key=lambda i: self._free[i].numel()))
+
+
 class GradStaging:
     """One group's full local gradient, from its first piece until its reduce-scatter lands in the shard.
 
-    ZeRO-2 keeps one per bucket, ZeRO-3 one per unit. Memory exists only
-    between the first ``add`` and ``land``.
+    ZeRO-1/2 keep one per bucket, ZeRO-3 one per unit. A staging buffer exists
+    only between the first ``add`` and ``land`` (taken from and given back to
+    ``pool`` when the owner sets one).
     """
 
     def __init__(self, group: ShardGroup, dtype: torch.dtype) -> None:
         self.group, self.dtype = group, dtype
+        self.pool: StagingPool | None = None
         self.ready = [False] * len(group.layout.params)
+        self._base: torch.Tensor | None = None  # the buffer taken, of which _flat is the first padded elements
         self._flat: torch.Tensor | None = None
         self._views: list[torch.Tensor] = []
         self._out: torch.Tensor | None = None
@@ -69,8 +102,11 @@ class GradStaging:
         return all(self.ready)
 
     def _buffer(self) -> torch.Tensor:
-        if self._flat is None:  # zeros: a parameter that gets no gradient contributes zero
-            self._flat = torch.zeros(self.group.layout.padded, dtype=self.dtype, device=self.group.shard.device)
+        if self._flat is None:  # contents undefined until added, or zeroed at launch
+            n, device = self.group.layout.padded, self.group.shard.device
+            self._base = self.pool.take(n, self.dtype, device) if self.pool is not None else \
+                torch.empty(n, dtype=self.dtype, device=device)
+            self._flat = self._base[:n]
             self._views = self.group.layout.views(self._flat)
         return self._flat
 
@@ -89,6 +125,10 @@ class GradStaging:
 
     def launch(self, comm: Comm, axis: AxisGroup) -> None:
         flat = self._buffer()
+        for view, ready in zip(self._views, self.ready):
+            if not ready:
+                view.zero_()  # a parameter that got no gradient contributes zero
+        flat[self.group.layout.numel:].zero_()  # and so does the padding
         self._out = torch.empty(self.group.layout.shard_size, dtype=flat.dtype, device=flat.device)
         # the staging buffer is ours and dropped at land: it may be reduced in place
         self._work = comm.reduce_scatter(self._out, flat, axis, async_op=True, tag="grad", input_is_scratch=True)
@@ -101,7 +141,9 @@ class GradStaging:
             self.group.grad_shard += self._out
         else:
             self.group.grad_shard.copy_(self._out)
-        self._flat, self._views, self._out, self._work = None, [], None, None
+        if self.pool is not None:
+            self.pool.give(self._base)
+        self._base, self._flat, self._views, self._out, self._work = None, None, [], None, None
         self.ready = [False] * len(self.ready)
 
 
@@ -121,6 +163,9 @@ class LaunchOrder:
                  accumulate: bool = True) -> None:
         self.stagings, self.comm, self.axis = stagings, comm, axis
         self.window, self.accumulate = window, accumulate
+        self.pool = StagingPool(keep=window + 1)
+        for staging in stagings:
+            staging.pool = self.pool
         self._next = 0
         self._in_flight: list[GradStaging] = []
 

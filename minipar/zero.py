@@ -143,8 +143,8 @@ class _BucketedShards(ShardedState):
     def spread_params(self) -> None:
         works = []
         for g, flat in zip(self.groups, self.flat_params):
-            # All-gather from a copy: the input would otherwise alias the output's own slice.
-            works.append(self.comm.all_gather(flat, g.shard.clone(), self.group, async_op=True, tag="param"))
+            # In place: the shard is the output's own slice (comm.all_gather allows that alias).
+            works.append(self.comm.all_gather(flat, g.shard, self.group, async_op=True, tag="param"))
         for w in works:
             w.wait()
 
