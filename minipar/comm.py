@@ -183,16 +183,20 @@ class Comm:
                        input_is_scratch: bool = False):
         """output <- shard ``group.rank`` (along dim 0) of the op-reduction of every rank's input.
 
-        input: (n * m, ...) full; output: (m, ...) this rank's shard. ``input_is_scratch``: the
-        caller will not read ``input`` again, so it may be overwritten (gloo then reduces it in
-        place instead of reducing a copy).
+        input: (n * m, ...) full; output: (m, ...) this rank's shard, which may be input's own slice
+        ``input[rank * m:(rank + 1) * m]`` (in place: NCCL and the gloo path below allow it).
+        ``input_is_scratch``: the caller will not read the rest of ``input`` again, so it may be
+        overwritten (gloo then reduces it in place instead of reducing a copy).
         """
         n = group.size
         if input.shape[0] != n * output.shape[0]:
             raise ValueError(f"reduce_scatter: input dim 0 ({input.shape[0]}) must be {n} x output dim 0 "
                              f"({output.shape[0]})")
+        m = output.shape[0]
+        in_place = output.data_ptr() == input[group.rank * m:(group.rank + 1) * m].data_ptr()
         if n == 1:
-            output.copy_(input)
+            if not in_place:
+                output.copy_(input)
             return _Done() if async_op else None
         b = _nbytes(input)
         self._record("reduce_scatter", group, tag, b, (n - 1) / n * b, input.dtype)
@@ -200,9 +204,11 @@ class Comm:
             # gloo's reduce-scatter copies the input and all-reduces all of it anyway, then scatters:
             # doing that ourselves (one copy, one all-reduce, keep our slice) takes half the time.
             full = input if input_is_scratch else input.clone()
-            m = output.shape[0]
             work = dist.all_reduce(full, op=_REDUCE_OPS[op], group=group.pg, async_op=True)
-            handle = _Joined([work], lambda: output.copy_(full[group.rank * m:(group.rank + 1) * m]))
+            if in_place and full is input:  # the result is already where the output is
+                handle = _Joined([work])
+            else:
+                handle = _Joined([work], lambda: output.copy_(full[group.rank * m:(group.rank + 1) * m]))
             return handle if async_op else handle.wait() and None
         return _reduce_scatter_flat(output, input, op=_REDUCE_OPS[op], group=group.pg, async_op=async_op)
 

@@ -133,14 +133,11 @@ class GradStaging:
         # the staging buffer is ours and dropped at land: it may be reduced in place
         self._work = comm.reduce_scatter(self._out, flat, axis, async_op=True, tag="grad", input_is_scratch=True)
 
-    def land(self, accumulate: bool = True) -> None:
+    def land(self) -> None:
         """Wait for the reduce-scatter and add its result into the gradient shard (accumulating over
-        backwards until zero_grad), or, with ``accumulate=False``, replace the shard's contents."""
+        backwards until zero_grad)."""
         self._work.wait()
-        if accumulate:
-            self.group.grad_shard += self._out
-        else:
-            self.group.grad_shard.copy_(self._out)
+        self.group.grad_shard += self._out
         if self.pool is not None:
             self.pool.give(self._base)
         self._base, self._flat, self._views, self._out, self._work = None, None, [], None, None
@@ -148,7 +145,8 @@ class GradStaging:
 
 
 class LaunchOrder:
-    """Reduce-scatters for a list of `GradStaging`, launched in that fixed order on every rank.
+    """Reduce-scatters for a list of `GradStaging` (or ZeRO-1's `FullGrads`), launched in that
+    fixed order on every rank.
 
     Backward completes groups in an order that can differ between ranks (and a
     group whose parameters got no gradient never completes), so a group is
@@ -159,10 +157,9 @@ class LaunchOrder:
     window plus the groups still filling, never the whole gradient.
     """
 
-    def __init__(self, stagings: list[GradStaging], comm: Comm, axis: AxisGroup, window: int = 2,
-                 accumulate: bool = True) -> None:
+    def __init__(self, stagings: list[GradStaging], comm: Comm, axis: AxisGroup, window: int = 2) -> None:
         self.stagings, self.comm, self.axis = stagings, comm, axis
-        self.window, self.accumulate = window, accumulate
+        self.window = window
         self.pool = StagingPool(keep=window + 1)
         for staging in stagings:
             staging.pool = self.pool
@@ -183,14 +180,14 @@ class LaunchOrder:
         self._in_flight.append(staging)
         self._next += 1
         while len(self._in_flight) > self.window:
-            self._in_flight.pop(0).land(self.accumulate)
+            self._in_flight.pop(0).land()
 
     def finish(self) -> None:
         """End of backward: launch what is left (missing gradients count as zero) and land everything."""
         while self._next < len(self.stagings):
             self._launch_next()
         for staging in self._in_flight:
-            staging.land(self.accumulate)
+            staging.land()
         self._in_flight, self._next = [], 0
 
 
@@ -231,12 +228,12 @@ class ShardedState:
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accepted for symmetry with DDP; changes nothing under ZeRO.
+        """Accepted for symmetry with DDP; changes nothing under ZeRO-2 and ZeRO-3.
 
-        Stage 1 sends nothing during backward anyway (gradients accumulate in
-        ``p.grad`` and are reduce-scattered once, at the step). Stages 2 and 3
-        exist not to hold the full gradient, so every backward reduce-scatters
-        its gradients and they accumulate in this rank's gradient shard.
+        They exist not to hold the full gradient, so every backward
+        reduce-scatters its gradients and they accumulate in this rank's
+        gradient shard. (ZeRO-1, which keeps the full gradient, overrides this:
+        its ``no_sync`` sends nothing.)
         """
         yield
 

@@ -7,20 +7,24 @@ groups are gradient buckets, as in DDP: reverse registration order, about
 steps only those shards. After the step the updated shards are all-gathered
 back into every rank's parameters.
 
-ZeRO-1 (`Zero1`). ``p.grad`` holds this rank's full local gradient, as in
-plain PyTorch, accumulating over any number of backwards under ``no_sync``
-(which sends nothing). The backward that synchronises reduce-scatters each
-bucket as soon as it is complete, overlapped with the rest of backward, so a
-rank receives the mean gradient of its own shards; the result *replaces* the
-shards' contents, because ``p.grad`` already holds everything accumulated. A
-step taken after a ``no_sync`` backward without a synchronising one reduces
-then, from ``p.grad``. Gradients are read from the shards: change them
-through `clip_grad_norm_`, not by writing ``p.grad`` after backward.
+ZeRO-1 (`Zero1`). The full gradient is kept, as the stage's memory formula
+says (4Φ bytes in fp32), but in one persistent flat buffer per bucket rather
+than in ``p.grad``, the way DDP's ``gradient_as_bucket_view`` keeps it: the
+backward that synchronises moves each gradient into its bucket (divided by the
+world size; ``p.grad`` is set back to None) and reduce-scatters a complete
+bucket *in place*, overlapped with the rest of backward, so this rank's slice
+of the buffer becomes its gradient shard with no further copy. Under
+``no_sync`` nothing is sent: gradients accumulate in ``p.grad`` as in plain
+PyTorch, and the next synchronising backward (or the step, if none comes)
+moves and reduces their sum. A second synchronising backward before
+``zero_grad`` adds on top of the shard (the rest of the buffer is zeroed
+first, so only this rank's new gradients enter the other ranks' slices).
+Gradients are read from the shards: change them through `clip_grad_norm_`.
 
 ZeRO-2 (`Zero2`). As ZeRO-1, but the full gradient is never kept: each
-parameter's gradient moves into its bucket's staging buffer as it arrives
-(``p.grad`` is set back to None), a complete bucket is reduce-scattered at
-once, and at most two launched buckets wait to land before their staging
+parameter's gradient moves into its bucket's transient staging buffer as it
+arrives, a complete bucket is reduce-scattered at once into the persistent
+gradient shard, and at most two launched buckets wait to land before their staging
 buffers are freed (`LaunchOrder`). Only the gradient shards persist, and they
 accumulate over backwards until ``zero_grad``; since nothing else is kept,
 every backward communicates, also inside ``no_sync``.
@@ -45,6 +49,7 @@ from .ddp import broadcast_from_rank0, bucket_params, signature
 from .flat import FlatLayout
 from .mesh import Mesh
 from .precision import MixedPrecision
+from .comm import AxisGroup, Comm
 from .sharded_optim import GradStaging, LaunchOrder, ShardedState, ShardGroup, make_master
 
 
@@ -53,7 +58,6 @@ class _BucketedShards(ShardedState):
     buckets reduce-scattered in one fixed order during backward, shards all-gathered after the step."""
 
     stage: int
-    keeps_full_grads: bool  # stage 1: p.grad stays; stage 2: it moves into the bucket and is freed
 
     def __init__(self, module: nn.Module, mesh: Mesh, policy: MixedPrecision, offload: bool,
                  bucket_cap_mb: float) -> None:
@@ -64,11 +68,9 @@ class _BucketedShards(ShardedState):
             "parameters": signature(named)}, self.group)
         broadcast_from_rank0(module, self.comm, self.group)
         cap = max(1, int(bucket_cap_mb * 2**20))
-        # ZeRO-1's shards exist only from a synchronising backward to the end of the step.
-        self._setup(module, mesh, bucket_params([p for _, p in reversed(named)], cap),
-                    grad_shards=not self.keeps_full_grads)
-        self.buckets = [GradStaging(g, policy.grad_dtype) for g in self.groups]
-        self.order = LaunchOrder(self.buckets, self.comm, self.group, accumulate=not self.keeps_full_grads)
+        self._setup(module, mesh, bucket_params([p for _, p in reversed(named)], cap))
+        self.buckets = self._make_buckets()
+        self.order = LaunchOrder(self.buckets, self.comm, self.group)
         self._callback_queued = False
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(b, i))
                        for b in self.buckets for i, p in enumerate(b.group.layout.params)]
@@ -84,15 +86,13 @@ class _BucketedShards(ShardedState):
                 self._callback_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
             b.add(i, p.grad, self.group.size)
-            if not self.keeps_full_grads:
-                p.grad = None  # the full gradient lives only in the bucket until it is reduce-scattered
+            p.grad = None  # moved into the bucket (and freed at once: the next layer's gradient reuses it)
             self.order.launch_ready()  # in bucket order, on every rank alike
         return hook
 
     @torch.no_grad()
     def _finish_backward(self) -> None:
-        if self.keeps_full_grads:
-            self._add_unreported_grads()
+        self._add_unreported_grads()
         self.order.finish()
         self._callback_queued = False
 
@@ -122,8 +122,13 @@ class _BucketedShards(ShardedState):
                 return g, (p_lo, p_hi), (max(p_lo, g.layout.lo), min(p_hi, g.layout.lo + g.layout.real_len))
         raise KeyError(f"parameter not managed by this ZeRO-{self.stage} state")
 
-    def _setup(self, module: nn.Module, mesh: Mesh, groups_of_params: list[list[nn.Parameter]],
-               grad_shards: bool) -> None:
+    def _make_buckets(self) -> list:
+        raise NotImplementedError
+
+    def _add_unreported_grads(self) -> None:
+        """Stage 1 moves, at the end of backward, what its hooks did not (stage 2 has nothing left)."""
+
+    def _setup(self, module: nn.Module, mesh: Mesh, groups_of_params: list[list[nn.Parameter]]) -> None:
         dtype = self.policy.param_dtype
         self.flat_params: list[torch.Tensor] = []
         for params in groups_of_params:
@@ -134,9 +139,7 @@ class _BucketedShards(ShardedState):
                 p.data = view  # the module computes with views into the flat buffer
             shard = flat[layout.lo: layout.lo + layout.shard_size]
             real = full_fp32[layout.lo: layout.lo + layout.real_len]
-            grad_shard = torch.zeros(layout.shard_size, dtype=self.policy.grad_dtype, device=mesh.device) \
-                if grad_shards else None
-            self.groups.append(ShardGroup(layout, shard, make_master(shard, real, self.offload), grad_shard))
+            self.groups.append(ShardGroup(layout, shard, make_master(shard, real, self.offload), None))
             self.flat_params.append(flat)
 
     @torch.no_grad()
@@ -152,24 +155,102 @@ class _BucketedShards(ShardedState):
         return self.flat_params
 
 
+class FullGrads:
+    """ZeRO-1's gradient bucket: a persistent flat buffer of the bucket's full gradient, reduce-
+    scattered in place, so this rank's slice of it *is* the group's ``grad_shard``.
+
+    It plays `GradStaging`'s part in `LaunchOrder` (add, launch, land). Contents:
+
+    * after ``reset`` (zero_grad), "fresh": undefined. A parameter's first gradient overwrites its
+      view (one pass: divide while copying); a parameter that got none is zeroed at launch.
+    * after a reduce-scatter lands: this rank's slice holds the reduced mean, the rest this rank's
+      stale input. Before anything is added again the rest is zeroed, so a further reduction adds
+      only new gradients to every slice, and this rank's slice keeps what it held.
+
+    The padding is zero from allocation on, and stays so (a reduction of zeros).
+    """
+
+    def __init__(self, group: ShardGroup, dtype: torch.dtype) -> None:
+        lay = group.layout
+        self.group = group
+        self.flat = torch.zeros(lay.padded, dtype=dtype, device=group.shard.device)
+        self._views = lay.views(self.flat)
+        self._own = (lay.lo, lay.lo + lay.shard_size)
+        group.grad_shard = self.flat[self._own[0]:self._own[1]]
+        self.pool = None  # LaunchOrder hands out a staging pool; a persistent buffer needs none
+        self.ready = [False] * len(lay.params)
+        self._fresh, self._landed = True, False
+        self._work = None
+
+    @property
+    def complete(self) -> bool:
+        return all(self.ready)
+
+    def _begin(self) -> None:
+        if self._landed:
+            lo, hi = self._own
+            self.flat[:lo].zero_()
+            self.flat[hi:].zero_()
+            self._landed = False
+
+    def add(self, i: int, grad: torch.Tensor, divisor: int) -> None:
+        """Add ``grad / divisor`` into parameter ``i``'s view (the sum over ranks is the mean)."""
+        if self.ready[i]:
+            raise RuntimeError("a parameter received its gradient twice in one backward; ZeRO reduce-scatters "
+                               "each gradient once per backward")
+        self._begin()
+        view = self._views[i]
+        if not self._fresh:
+            view.add_(grad.to(view.dtype) / divisor)
+        elif grad.dtype == view.dtype:
+            torch.div(grad, divisor, out=view)
+        else:  # divide in the buffer's (reduce) dtype, not in the gradient's lower one
+            view.copy_(grad).div_(divisor)
+        self.ready[i] = True
+
+    def launch(self, comm: Comm, axis: AxisGroup) -> None:
+        self._begin()
+        if self._fresh:
+            for view, ready in zip(self._views, self.ready):
+                if not ready:
+                    view.zero_()  # a parameter that got no gradient contributes zero
+            self._fresh = False
+        # In place (this rank's slice is the output): NCCL reduces in place at the rank offset; gloo's
+        # path all-reduces the whole buffer, which is ours to overwrite: its other slices are zeroed
+        # before they are used again.
+        self._work = comm.reduce_scatter(self.group.grad_shard, self.flat, axis, async_op=True, tag="grad",
+                                         input_is_scratch=True)
+
+    def land(self) -> None:
+        """Wait for the reduce-scatter (its result replaced this rank's slice, which held its input)."""
+        self._work.wait()
+        self._work = None
+        self._landed = True
+        self.ready = [False] * len(self.ready)
+
+    def reset(self) -> None:
+        """zero_grad: the contents no longer matter; the next gradients overwrite them."""
+        self._fresh, self._landed = True, False
+
+
 class Zero1(_BucketedShards):
-    """ZeRO-1: optimizer state sharded; the synchronising backward reduce-scatters ``p.grad``."""
+    """ZeRO-1: optimizer state sharded; the full gradient kept in flat buckets, reduce-scattered in place."""
 
     stage = 1
-    keeps_full_grads = True
 
     def __init__(self, module: nn.Module, mesh: Mesh, policy: MixedPrecision, offload: bool,
                  bucket_cap_mb: float = 25.0) -> None:
         self._sync = True
-        self._shards_current = False  # the shards hold the reduced sum of what p.grad holds now
+        self._shards_current = False  # every gradient so far has been reduced into the shards
         super().__init__(module, mesh, policy, offload, bucket_cap_mb)
 
+    def _make_buckets(self) -> list[FullGrads]:
+        return [FullGrads(g, self.policy.grad_dtype) for g in self.groups]
+
     def _syncing(self) -> bool:
-        if not self._sync:
-            self._shards_current = False  # p.grad now holds more than the shards were reduced from
-        elif not self._shards_current:
-            self._allocate_shards()
-            self._shards_current = True   # once this backward's buckets have landed
+        # A no_sync backward leaves gradients in p.grad that the shards do not hold; a synchronising
+        # one reduces them all (hooks, then _add_unreported_grads), once its buckets have landed.
+        self._shards_current = self._sync
         return self._sync
 
     def _add_unreported_grads(self) -> None:
@@ -179,16 +260,12 @@ class Zero1(_BucketedShards):
             for i, p in enumerate(b.group.layout.params):
                 if not b.ready[i] and p.grad is not None:
                     b.add(i, p.grad, self.group.size)
-
-    def _allocate_shards(self) -> None:
-        for g in self.groups:
-            if g.grad_shard is None:
-                g.grad_shard = torch.empty(g.layout.shard_size, dtype=self.policy.grad_dtype, device=g.shard.device)
+                    p.grad = None
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate in ``p.grad`` without communicating; the next synchronising backward (or the
-        step, if none comes) reduce-scatters the sum."""
+        step, if none comes) moves the sum into the buckets and reduce-scatters it."""
         previous, self._sync = self._sync, False
         try:
             yield
@@ -199,33 +276,30 @@ class Zero1(_BucketedShards):
     def reduce_grads(self) -> None:
         if self._shards_current:
             return
-        self._allocate_shards()  # the step came after a no_sync backward: reduce p.grad now
-        self._add_unreported_grads()
+        self._add_unreported_grads()  # the step came after a no_sync backward (or none): reduce now
         self.order.finish()
         self._shards_current = True
 
-    def finish_step(self, skipped: bool) -> None:
-        super().finish_step(skipped)
-        self._free_shards()
-
     def zero_grad(self) -> None:
-        super().zero_grad()
-        for g in self.groups:
-            for p in g.layout.params:
+        # No pass over memory: the buckets become "fresh" (the next gradients overwrite them), and
+        # nothing reads a shard before reduce_grads has filled it again.
+        for b in self.buckets:
+            b.reset()
+            b.group.master.grad = None
+            for p in b.group.layout.params:
                 p.grad = None
-        self._free_shards()
-
-    def _free_shards(self) -> None:
-        for g in self.groups:
-            g.grad_shard = None  # the reduced shards live only until the step has used them
-        self._shards_current = False
+        self._shards_current = self._unscaled = False
 
     def grad_tensors(self) -> list[torch.Tensor]:
-        return [p.grad for g in self.groups for p in g.layout.params] + [g.grad_shard for g in self.groups]
+        return [p.grad for g in self.groups for p in g.layout.params] + [b.flat for b in self.buckets]
 
 
 class Zero2(_BucketedShards):
     """ZeRO-2: optimizer state and gradients sharded; every backward reduce-scatters its buckets."""
 
     stage = 2
-    keeps_full_grads = False
+
+    def _make_buckets(self) -> list[GradStaging]:
+        for g in self.groups:
+            g.grad_shard = torch.zeros(g.layout.shard_size, dtype=self.policy.grad_dtype, device=g.shard.device)
+        return [GradStaging(g, self.policy.grad_dtype) for g in self.groups]

@@ -153,10 +153,27 @@ def _rank_collectives(ctx, case):
             done(comm.reduce_scatter(out, ins[me].clone(), g, async_op=async_op, tag="rs"))
             assert_close(out, _sum(ins)[me * m:(me + 1) * m])
             expect("reduce_scatter", g, "rs", _nbytes(full, dt), _ring("reduce_scatter", n, _nbytes(full, dt)))
+            # in place (the output is the input's own slice), with and without leave to overwrite the
+            # rest of the input: without it, the rest must be untouched
+            for scratch in (False, True):
+                buf = ins[me].clone()
+                done(comm.reduce_scatter(buf[me * m:(me + 1) * m], buf, g, async_op=async_op, tag="rs",
+                                         input_is_scratch=scratch))
+                assert_close(buf[me * m:(me + 1) * m], _sum(ins)[me * m:(me + 1) * m])
+                if not scratch:
+                    assert torch.equal(buf[:me * m], ins[me][:me * m])
+                    assert torch.equal(buf[(me + 1) * m:], ins[me][(me + 1) * m:])
+                expect("reduce_scatter", g, "rs", _nbytes(full, dt), _ring("reduce_scatter", n, _nbytes(full, dt)))
 
             # all_gather: every rank's shard, concatenated in rank order
             out = torch.full(full, 7, dtype=dt, device=dev)
             done(comm.all_gather(out, xs[me].clone(), g, async_op=async_op, tag="ag"))
+            assert torch.equal(out, torch.cat(xs))
+            expect("all_gather", g, "ag", _nbytes(full, dt), _ring("all_gather", n, _nbytes(full, dt)))
+            # in place: the input is the output's own slice
+            out = torch.full(full, 7, dtype=dt, device=dev)
+            out[me * m:(me + 1) * m] = xs[me]
+            done(comm.all_gather(out, out[me * m:(me + 1) * m], g, async_op=async_op, tag="ag"))
             assert torch.equal(out, torch.cat(xs))
             expect("all_gather", g, "ag", _nbytes(full, dt), _ring("all_gather", n, _nbytes(full, dt)))
 

@@ -7,8 +7,8 @@
 * zero3 prefetches: from the second step on, the next unit's all-gather is already in flight
   when a unit starts its forward, and the previous unit's when a unit starts its backward.
 * zero1's accumulation: any mix of no_sync and synchronising backwards before a step gives the
-  gradient of their sum (the synchronising backward's reduction *replaces* the shards; a step
-  after only no_sync backwards reduces then).
+  gradient of their sum (a step after only no_sync backwards reduces then); its persistent
+  buckets, reduce-scattered in place, forget everything at zero_grad.
 """
 
 from __future__ import annotations
@@ -152,3 +152,59 @@ def test_zero1_accumulates_any_mix_of_no_sync_and_sync(pools, pattern):
     for rank, got in enumerate(pools.run(2, _zero1_accumulation, pattern)):
         for k, v in want.items():
             torch.testing.assert_close(got[k], v, msg=lambda m: f"rank {rank} {k} after {pattern!r}: {m}")
+
+
+class _TwoPaths(torch.nn.Module):
+    """Uses ``b`` only when asked: a parameter with a gradient in one backward and none in the next."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.a, self.b = torch.nn.Linear(5, 7), torch.nn.Linear(7, 7)
+
+    def forward(self, x, use_b: bool):
+        h = self.a(x)
+        return (self.b(h) if use_b else h).pow(2).sum()
+
+
+def _zero1_events(ctx, events):
+    """Full reduced gradients after ``events``: "S"/"s" synchronising backward with/without ``b``,
+    "N"/"n" the same under no_sync, "z" zero_grad. Each rank draws its own inputs."""
+    gen = torch.Generator().manual_seed(100 + ctx.rank)
+    mesh = Mesh()
+    model = _TwoPaths()
+    sharded = ShardedModule(model, mesh=mesh, strategy="zero1", bucket_cap_mb=1e-4)
+    for e in events:
+        if e == "z":
+            sharded.strategy.zero_grad()
+            continue
+        x = torch.randn(3, 5, generator=gen).to(ctx.device)
+        if e in "Nn":
+            with sharded.no_sync():
+                sharded(x, e == "N").backward()
+        else:
+            sharded(x, e == "S").backward()
+    grads = sharded.strategy.full_grads()
+    out = {n: grads[id(p)].cpu() for n, p in model.named_parameters()}
+    mesh.destroy()
+    return out
+
+
+@pytest.mark.parametrize("events", ["SzS", "Szs", "SsS", "Ss", "NzS", "Nzs", "SNs", "SzN", "sSzn", "SzsS"])
+def test_zero1_buckets_forget_at_zero_grad_and_accumulate_otherwise(pools, events):
+    """ZeRO-1 keeps the full gradient in persistent buckets that are reduce-scattered in place and
+    overwritten after zero_grad: a parameter used before zero_grad and unused after it must show a
+    zero gradient, not the stale one; without zero_grad, backwards add up (sync or no_sync)."""
+    world = 2
+    model = _TwoPaths()
+    gens = [torch.Generator().manual_seed(100 + r) for r in range(world)]
+    for e in events:
+        if e == "z":
+            model.zero_grad()
+            continue
+        for r in range(world):
+            (model(torch.randn(3, 5, generator=gens[r]), e in "SN") / world).backward()
+    want = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters()}
+    for rank, got in enumerate(pools.run(world, _zero1_events, events)):
+        for k, v in want.items():
+            torch.testing.assert_close(got[k], v, msg=lambda m: f"rank {rank} {k} after {events!r}: {m}")
