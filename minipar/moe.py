@@ -109,7 +109,7 @@ def route(logits: torch.Tensor, k: int, cap: int):
     position = (one_hot.cumsum(dim=0) - 1).gather(1, expert[:, None])[:, 0]
     keep = position < cap
     share = one_hot.float().mean(dim=0)                      # f_e, before drops
-    aux = n_experts * (share * probs.mean(dim=0)).sum()
+    aux = n_experts * (share * probs.mean(dim=0)).sum() if n_tokens else logits.sum()  # no tokens: 0, not nan
     z = logits.logsumexp(dim=-1).pow(2).mean() if n_tokens else logits.sum()
     return expert, weight, keep, aux, z
 

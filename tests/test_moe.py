@@ -196,6 +196,11 @@ def _check_layer(pools, layout, n_experts, k, cf, seed, bias_gate=False):
     ys = torch.randint(0, 3, (3, dp * 2, tokens), generator=g)
     ref_outs, ref_auxes, ref_grads, ref_state, ref_norms = _reference_layer(net_args, xs, ys, dp, bias_gate)
     assert max(ref_norms) > 0.05  # clipping fires
+    if bias_gate:  # the setup holds: experts 0 and 1 work, the others get no token and no gradient
+        for s in range(3):
+            for name in ("w1", "b1", "w2", "b2"):
+                g = ref_grads[s][f"moe.{name}"]
+                assert g[2:].abs().max() == 0 and g[:2].abs().max() > 0, (s, name)
     results = pools.run(world, _train_layer, sizes, net_args, xs, ys, bias_gate)
     for s in range(3):
         # The auxiliary losses: every rank's own group, averaged, is the reference's mean over groups.
@@ -316,3 +321,39 @@ def test_bad_expert_parallel_configurations_raise_on_every_rank(pools, cfg, layo
     base = dict(vocab_size=8, block_size=4, n_layer=1, n_head=1, n_embd=4)
     for msg in pools.run(4, _bad, {**base, **cfg}, layout, strategy):
         assert match in msg
+
+
+def _rank_without_tokens(ctx, x0):
+    mesh = Mesh(dp=2, ep=2)
+    layer = MoELayer(6, 8, n_experts=4, top_k=2, capacity_factor=4.0, aux_loss_coef=0.1, z_loss_coef=0.01, seed=3)
+    layer.shard_experts(mesh.comm, mesh.group("ep"))
+    x = (x0 if mesh.rank == 0 else x0[:0]).clone().to(ctx.device).requires_grad_(True)
+    out = layer(x)
+    out.sum().backward()
+    result = dict(out=out.detach().cpu(), aux=float(layer.last_aux), z=float(layer.last_z),
+                  grads={n: p.grad.detach().cpu() for n, p in layer.named_parameters()})
+    mesh.destroy()
+    return result
+
+
+def test_a_rank_without_any_token(pools):
+    """ep=2, and rank 1's batch is empty: it still joins every all-to-all (no hang), returns an empty
+    output, reports an auxiliary and z loss of 0 (not the nan of a mean over nothing), and every
+    rank's gradients are the single-process layer's on rank 0's tokens: rank 1's experts are fed by
+    rank 0 only, and its gate gets nothing."""
+    x0 = torch.randn(5, 6, generator=torch.Generator().manual_seed(4))
+    ref = MoELayer(6, 8, n_experts=4, top_k=2, capacity_factor=4.0, aux_loss_coef=0.1, z_loss_coef=0.01, seed=3)
+    x = x0.clone().requires_grad_(True)
+    out = ref(x)
+    out.sum().backward()
+    r0, r1 = pools.run(2, _rank_without_tokens, x0)
+    torch.testing.assert_close(r0["out"], out.detach())
+    assert r1["out"].shape == (0, 6)
+    assert (r0["aux"], r0["z"]) == pytest.approx((float(ref.last_aux), float(ref.last_z)))
+    assert (r1["aux"], r1["z"]) == (0.0, 0.0)
+    for rank, r in enumerate((r0, r1)):
+        for name in ("w1", "b1", "w2", "b2"):
+            torch.testing.assert_close(r["grads"][name], getattr(ref, name).grad[2 * rank:2 * rank + 2],
+                                       msg=lambda m: f"rank {rank} {name}: {m}")
+    torch.testing.assert_close(r0["grads"]["gate.weight"], ref.gate.weight.grad)
+    assert r1["grads"]["gate.weight"].abs().max() == 0
