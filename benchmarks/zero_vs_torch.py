@@ -278,9 +278,6 @@ def measure_memory(side: Side) -> dict:
     if side.sharded is not None:
         stats = dict(side.sharded.memory_stats())
         stats["source"] = "memory_stats()"
-        if side.sharded.strategy_name == "ddp":  # minipar DDP does not own the optimizer: count it here
-            stats["optimizer"] = storage_bytes(optimizer_state_tensors(side.opt), set())
-            stats["source"] = "memory_stats(); optimizer from the torch optimizer's state"
         return stats
     seen: set = set()
     params = list(side.inner.parameters())
@@ -618,8 +615,7 @@ def report(res: dict, args, w: Workload) -> None:
     phi, n = res["phi"], res["world_size"]
     print(f"\n== 2. persistent memory per rank: Φ = {phi:,}, N = {n}; measured after backward and "
           f"optimizer.step(), before zero_grad, in warm-up step {args.warmup} (bf16 rows: in their only step) ==")
-    print("minipar rows: ShardedModule.memory_stats(); for minipar ddp the optimizer column is computed from the "
-          "torch optimizer's state (memory_stats reports 0 there: DDP does not own the optimizer).")
+    print("minipar rows: ShardedModule.memory_stats() (for ddp: the state of the optimizer build_optimizer made).")
     print("torch rows: distinct storages behind parameters, .grad and optimizer state (DTensors: the local "
           "shard). " + ("torch DDP grads are its buckets (gradient_as_bucket_view=True)." if args.ddp_bucket_view
                         else "torch DDP (defaults) also keeps a hidden params-sized bucket copy, not counted."))

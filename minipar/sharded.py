@@ -159,6 +159,7 @@ class ShardedModule(nn.Module):
             if activation_checkpointing is not False else []
         policy = mixed_precision or FP32
         self._cast_inputs_to = policy.param_dtype if policy.param_dtype != torch.float32 else None
+        self._ddp_optimizer: torch.optim.Optimizer | None = None
         if strategy == "ddp":
             self.strategy = DataParallel(self.module, mesh, bucket_cap_mb=bucket_cap_mb)
         elif strategy == "zero1":
@@ -251,7 +252,8 @@ class ShardedModule(nn.Module):
         """
         if isinstance(self.strategy, ShardedState):
             return ShardedOptimizer(self.strategy, optimizer_cls, **kwargs)
-        return optimizer_cls(self.module.parameters(), **kwargs)
+        self._ddp_optimizer = optimizer_cls(self.module.parameters(), **kwargs)  # memory_stats counts its state
+        return self._ddp_optimizer
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip gradients by their global norm (over every shard, padding excluded); returns the norm."""
@@ -323,9 +325,12 @@ class ShardedModule(nn.Module):
         if isinstance(self.strategy, ShardedState):
             return self.strategy.memory_stats()
         ps = list(self.module.parameters())
+        opt = self._ddp_optimizer  # DDP: the state of the optimizer build_optimizer made
+        state = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for st in
+                 (opt.state.values() if opt is not None else ()) for t in st.values() if torch.is_tensor(t)}
         return {"params": sum(p.numel() * p.element_size() for p in ps),
                 "grads": sum(b.flat.numel() * b.flat.element_size() for b in self.strategy.buckets),
-                "optimizer": 0}
+                "optimizer": sum(state.values())}
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -297,6 +297,7 @@ def _memory(ctx, strategy, precision):
 
 
 FORMULAS = {  # bytes per parameter: (params, grads, optimizer) as functions of N
+    ("ddp", "fp32"): lambda n: (4, 4, 8),  # minipar's DDP computes in the parameters' dtype: no bf16 row
     ("zero1", "fp32"): lambda n: (4, 4, 8 / n),
     ("zero2", "fp32"): lambda n: (4, 4 / n, 8 / n),
     ("zero3", "fp32"): lambda n: (4 / n, 4 / n, 8 / n),
@@ -310,7 +311,8 @@ FORMULAS = {  # bytes per parameter: (params, grads, optimizer) as functions of 
 @pytest.mark.parametrize("strategy, precision", sorted(FORMULAS))
 def test_memory_stats_match_the_formulas(pools, world, strategy, precision):
     """Per rank, params/grads/optimizer bytes are within 5% of the ZeRO paper's formulas
-    (bf16: 2 + 2 + 12 bytes per parameter, fp32 Adam: 4 + 4 + 8 with the master being the parameter)."""
+    (bf16: 2 + 2 + 12 bytes per parameter, fp32 Adam: 4 + 4 + 8 with the master being the parameter;
+    DDP holds all of it on every rank, the optimizer state of the optimizer build_optimizer made)."""
     for stats, phi in pools.run(world, _memory, strategy, "bf16_bf16" if precision == "bf16" else "fp32"):
         expected = [phi * b for b in FORMULAS[(strategy, precision)](world)]
         measured = [stats["params"], stats["grads"], stats["optimizer"]]
@@ -470,6 +472,47 @@ def _resume(ctx, strategy):
 def test_optimizer_state_dict_round_trips(pools, strategy):
     """Save after two steps, load into a fresh ShardedModule: the next steps are bitwise identical."""
     assert pools.run(2, _resume, strategy) == [True, True]
+
+
+def _where_state_lives(ctx, strategy, offload, precision):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Linear(5, 3))
+    mesh = Mesh()
+    sharded = ShardedModule(model, mesh=mesh, strategy=strategy, cpu_offload=offload,
+                            mixed_precision=PRECISIONS[precision])
+    opt = sharded.build_optimizer(torch.optim.AdamW, lr=0.1)
+    sharded.train_step(torch.randn(4, 6).to(ctx.device), None, lambda out, _: out.float().pow(2).mean())
+    opt.step()
+    out = []
+    for g in sharded.strategy.groups:
+        state = opt.optimizer.state[g.master]
+        out.append(dict(
+            master=(g.master.device.type, g.master.dtype, g.master.data_ptr() == g.shard.data_ptr()),
+            shard=(g.shard.device.type, g.shard.dtype),
+            state={(v.device.type, v.dtype) for k, v in state.items() if k != "step"},
+            # the compute shard received the stepped master (cast to the compute dtype)
+            written=torch.equal(g.shard[:g.layout.real_len].cpu(), g.master.detach().to(g.shard.dtype).cpu())))
+    mesh.destroy()
+    return out, torch.device(ctx.device).type
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
+@pytest.mark.parametrize("offload, precision", [(True, "fp32"), (True, "bf16"), (False, "fp32"), (False, "bf16")])
+def test_cpu_offload_keeps_masters_and_optimizer_state_on_the_cpu(pools, strategy, offload, precision):
+    """cpu_offload: the fp32 masters and Adam's moments live on the CPU (a copy apart from the
+    compute shard, which stays on the mesh's device), and the step writes the result back into the
+    shard. Without offload, an fp32 master *is* the shard (no second copy) and everything stays on
+    the device. (On this CPU-only machine the device is the CPU too; the copy-apart and write-back
+    checks still bite, and a GPU run checks the placement.)"""
+    compute = torch.float32 if precision == "fp32" else torch.bfloat16
+    for groups, device in pools.run(2, _where_state_lives, strategy, offload, precision):
+        assert groups
+        for g in groups:
+            opt_device = "cpu" if offload else device
+            assert g["master"] == (opt_device, torch.float32, not offload and precision == "fp32"), g
+            assert g["shard"] == (device, compute), g
+            assert g["state"] == {(opt_device, torch.float32)}, g
+            assert g["written"], g
 
 
 def _bad_wrap(ctx):
