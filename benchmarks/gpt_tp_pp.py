@@ -79,6 +79,7 @@ from minipar import MixedPrecision, ShardedModule, checkpoint
 from minipar.models import GPT, GPTConfig, MoEGPT, MoEGPTConfig, gpt_loss
 from minipar.models.data import markov_batch
 from minipar.moe import moe_layers
+from minipar.pipeline import RankTimeline, draw_timeline, write_trace
 from minipar.sharded_optim import ShardedState
 
 PRESETS = {
@@ -232,30 +233,6 @@ def reference_losses(build, ref_cfg, args, dp: int, device) -> list[float]:
         ref_opt.zero_grad()
         out.append(loss.item())
     return out
-
-
-def write_png(everyone: list[dict], p: int, path: str) -> str:
-    """The last step's forwards and backwards per stage; returns what was written, or why not."""
-    try:
-        import matplotlib
-    except ImportError:
-        return "no PNG: matplotlib is not installed (pip install matplotlib; it is the job's only use of it)"
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(10, 1 + p))
-    for r in everyone:
-        if r["tp"] == 0 and r["dp"] == 0:
-            for a, s, e in r["steps"][-1]:
-                if a[:1] in ("F", "B"):
-                    ax.barh(r["stage"], e - s, left=s, color="tab:blue" if a[0] == "F" else "tab:orange")
-                    ax.text(s, r["stage"], a, fontsize=6, va="center")
-    ax.set_xlabel("seconds into the last step")
-    ax.set_ylabel("stage")
-    ax.set_yticks(range(p))
-    ax.invert_yaxis()
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    return path
 
 
 def main() -> int:
@@ -420,11 +397,9 @@ def main() -> int:
         with open(os.path.join(args.out, "gpt_tp_pp.json"), "w") as f:
             json.dump(result, f, indent=2)
         if p > 1:
-            trace = [{"name": a, "ph": "X", "pid": 0, "tid": f"stage {r['stage']} rank {r['rank']}",
-                      "ts": s * 1e6, "dur": (e - s) * 1e6} for r in everyone for a, s, e in r["steps"][-1]]
-            with open(os.path.join(args.out, "trace.json"), "w") as f:
-                json.dump({"traceEvents": trace}, f)
-            print(f"timeline: {args.out}/trace.json; {write_png(everyone, p, os.path.join(args.out, 'timeline.png'))}")
+            rows = [RankTimeline(r["stage"], r["rank"], r["steps"][-1]) for r in everyone]
+            trace = write_trace(rows, os.path.join(args.out, "trace.json"))
+            print(f"timeline: {trace}; {draw_timeline(rows, os.path.join(args.out, 'timeline.png'))}")
         else:
             print("timeline: none written (pp=1: no pipeline schedule to draw)")
         for why in failures:

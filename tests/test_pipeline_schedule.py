@@ -1,7 +1,9 @@
 """Pipeline schedules as plain Python: no processes. For any stage and micro-batch count, every
 micro-batch is forwarded and backwarded exactly once on every stage, dependencies hold, sends
 match receives and nothing deadlocks; 1F1B holds at most stages - stage_index micro-batches'
-activations, GPipe all of them."""
+activations, GPipe all of them. A step's timeline exports as a Chrome/Perfetto trace."""
+
+import json
 
 import pytest
 from hypothesis import given, strategies as st
@@ -54,3 +56,29 @@ def test_simulate_catches_a_deadlock_and_a_crossed_channel():
         simulate([[Action("F", 1), Action("SEND_ACT", 1)], [Action("RECV_ACT", 0), Action("F", 0)]])
     with pytest.raises(ValueError, match="stages >= 1 and microbatches >= 1"):
         gpipe(2, 0)
+
+
+def test_chrome_trace_has_one_numbered_row_per_rank_sorted_by_stage(tmp_path):
+    """The trace format wants numeric thread ids: one per rank, named after its stage and sorted by
+    it; every action becomes a complete ("X") event, in microseconds from the earliest start."""
+    from minipar.pipeline import RankTimeline, draw_timeline, write_trace
+    rows = [RankTimeline(1, 3, [("F0", 10.5, 10.75), ("B0", 11.0, 11.5)]),
+            RankTimeline(0, 0, [("F0", 10.0, 10.25), ("F1", 10.25, 10.5), ("B0", 11.5, 12.0)])]
+    trace = json.loads(open(write_trace(rows, str(tmp_path / "t.json"))).read())["traceEvents"]
+    names = {e["tid"]: e["args"]["name"] for e in trace if e["name"] == "thread_name"}
+    assert names == {0: "stage 0 (rank 0)", 3: "stage 1 (rank 3)"}
+    order = {e["tid"]: e["args"]["sort_index"] for e in trace if e["name"] == "thread_sort_index"}
+    assert order[0] < order[3]
+    boxes = sorted((e["tid"], e["name"], e["ts"], e["dur"], e["cat"]) for e in trace if e["ph"] == "X")
+    assert boxes == [(0, "B0", 1.5e6, 0.5e6, "backward"), (0, "F0", 0.0, 0.25e6, "forward"),
+                     (0, "F1", 0.25e6, 0.25e6, "forward"), (3, "B0", 1.0e6, 0.5e6, "backward"),
+                     (3, "F0", 0.5e6, 0.25e6, "forward")]
+    assert all(isinstance(e["tid"], int) for e in trace)
+    png = tmp_path / "t.png"
+    said = draw_timeline(rows, str(png))
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert said.startswith("no PNG: matplotlib is not installed") and not png.exists()
+    else:
+        assert said == str(png) and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
