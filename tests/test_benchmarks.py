@@ -1,6 +1,7 @@
 """Smoke runs of the comparison benchmarks: each starts under torchrun with two ranks, trains a tiny
 GPT for a few steps, exits 0 and prints its table, with the minipar/torch ratio and the bytes
-minipar's collective layer counted, which must match the model's parameter bytes.
+minipar's collective layer counted, which must match the model's parameter bytes (the pipeline
+benchmark, pp_vs_torch.py, prints no byte count: its check is the losses agreeing with PyTorch's).
 
 No timing is asserted: speed targets live in the benchmarks (their ``--check``), never in tests.
 (``zero_vs_torch.py --model linear20`` is the 80M-parameter model of PyTorch's tutorial, with no
@@ -9,6 +10,7 @@ option to shrink it, so the smoke run uses the GPT model at a tiny size instead.
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import re
@@ -87,3 +89,24 @@ def test_kernel_benchmark_without_a_gpu_says_so_and_its_smoke_run_covers_every_k
     for kernel in ("layer_norm", "rms_norm", "gelu", "swiglu", "cross_entropy", "permute", "unpermute",
                    "scale_cast", "AdamW step"):
         assert f"| {kernel}" in smoke.stdout, (kernel, smoke.stdout)
+
+
+def test_pp_vs_torch_runs_and_reports_ratios_and_agreeing_losses(tmp_path):
+    """benchmarks/pp_vs_torch.py (pp=2, so two layers: one block per stage): for each schedule the
+    minipar/torch ratio is printed (and written to --json alike), the first steps' losses of all four
+    variants are printed, and minipar's agree with torch.distributed.pipelining's within the
+    benchmark's tolerance (it would exit 1 otherwise)."""
+    args = {**TINY, "n_layer": 2}
+    flags = [arg for k, v in args.items() for arg in (f"--{k.replace('_', '-')}", str(v))]
+    result = tmp_path / "pp.json"
+    out = _torchrun("pp_vs_torch.py", *flags, "--batch", "2", "--microbatches", "2", "--steps", "2",
+                    "--warmup", "1", "--json", str(result))
+    figures = json.loads(result.read_text())
+    for schedule in ("gpipe", "1f1b"):
+        ratio = _number(rf"\| {schedule} \| [\d.]+ ms \| [\d.]+ ms \| ([\d.]+) \|", out)
+        assert ratio > 0
+        assert round(figures["ratio_minipar_over_torch"][schedule], 2) == ratio
+        for side in ("minipar", "torch"):
+            assert re.search(rf"^  {side}\s+{schedule}\s+(\d+\.\d+\s*){{3}}$", out, re.M), (side, schedule, out)
+    diff = _number(r"largest difference minipar vs torch: ([\d.e+-]+) \(ok, tolerance", out)
+    assert diff <= 1e-4 and figures["first_losses_max_diff"] <= 1e-4  # printed to 3 digits, stored exactly

@@ -20,6 +20,7 @@ import itertools
 
 import pytest
 import torch
+import torch.distributed as dist
 from hypothesis import example, given, strategies as st
 
 from minipar import Mesh, ShardedModule
@@ -362,26 +363,40 @@ def test_zero2_reduce_scatters_every_microbatch_by_design(pools):
 # -- configuration errors ------------------------------------------------------------------------
 
 def _bad(ctx, kwargs, layout):
+    """Build the bad configuration and train one step; returns the error message, where it was raised
+    ("construction" or "train_step") and the collectives recorded in that call before the error."""
     mesh = Mesh(**layout)
+    x = torch.randint(0, 10, (3, 5))
+    where = "construction"
     with pytest.raises(ValueError) as info:
-        model = ShardedModule(GPT(GPTConfig(vocab_size=10, block_size=4, n_layer=2, n_head=1, n_embd=4)),
-                              mesh=mesh, **kwargs)
-        x = torch.randint(0, 10, (3, 5))
-        model.train_step(x[:, :-1], x[:, 1:], gpt_loss)
+        with mesh.comm.counting() as stats:
+            model = ShardedModule(GPT(GPTConfig(vocab_size=10, block_size=4, n_layer=2, n_head=1, n_embd=4)),
+                                  mesh=mesh, **kwargs)
+        # A valid construction communicates (its configuration check): count the train_step alone.
+        where = "train_step"
+        with mesh.comm.counting() as stats:
+            model.train_step(x[:, :-1], x[:, 1:], gpt_loss)
+    dist.barrier()  # every rank raised and the world is still in step
     mesh.destroy()
-    return str(info.value)
+    return str(info.value), where, [(r.op, r.group, r.tag) for r in stats.records]
 
 
-@pytest.mark.parametrize("kwargs, layout, match", [
-    ({}, dict(pp=4), "4 pipeline stages but only 2 layers"),
-    ({"schedule": "zigzag"}, dict(pp=2), "unknown schedule 'zigzag'; choose one of gpipe, 1f1b"),
-    ({"microbatches": 2}, dict(pp=2), "a batch of 3 does not split into microbatches=2"),
-    ({"pipeline_boundaries": [2, 1]}, dict(pp=2), "pipeline_boundaries"),
+@pytest.mark.parametrize("kwargs, layout, match, where", [
+    ({}, dict(pp=4), "4 pipeline stages but only 2 layers", "construction"),
+    ({"schedule": "zigzag"}, dict(pp=2), "unknown schedule 'zigzag'; choose one of gpipe, 1f1b", "construction"),
+    ({"microbatches": 2}, dict(pp=2), "a batch of 3 does not split into microbatches=2", "train_step"),
+    ({"pipeline_boundaries": [2, 1]}, dict(pp=2), "pipeline_boundaries", "construction"),
 ])
-def test_bad_pipeline_configurations_raise(pools, kwargs, layout, match):
+def test_bad_pipeline_configurations_raise(pools, kwargs, layout, match, where):
+    """A bad pipeline configuration raises ValueError on every rank before the first collective
+    (STYLE.md, house rules): the stage count, schedule and boundaries in the constructor, before its
+    configuration check; a batch that does not split into the micro-batches in train_step, before
+    any activation is sent or any loss all-reduced."""
     world = 4 if layout["pp"] == 4 else 2
-    for msg in pools.run(world, _bad, kwargs, layout):
-        assert match in msg
+    for rank, (msg, raised_in, issued) in enumerate(pools.run(world, _bad, kwargs, layout)):
+        assert match in msg, (rank, msg)
+        assert raised_in == where, (rank, raised_in, msg)
+        assert issued == [], f"rank {rank}: collectives issued in the {raised_in} before the ValueError: {issued}"
 
 
 # -- pipeline x ZeRO-1/2, and dp x tp x pp -------------------------------------------------------

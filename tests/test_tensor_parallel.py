@@ -164,7 +164,8 @@ def test_communication_per_layer_matches_theory(pools, sequence_parallel):
     if not sequence_parallel:
         # embedding all-reduce, then two per layer
         assert fwd == [("all_reduce", act)] * (1 + 2 * layers)
-        assert bwd.count(("all_reduce", act)) == 2 * layers + 1  # + the LM head's input gradient
+        assert bwd.count(("all_reduce", act)) == 2 * layers + 1, bwd  # + the LM head's input gradient
+        assert len(bwd) == 2 * layers + 1, bwd  # and nothing else
     else:
         per_layer_fwd = [("all_gather", act), ("reduce_scatter", act)] * 2
         assert fwd == [("reduce_scatter", act)] + per_layer_fwd * layers + [("all_gather", act)]
@@ -210,7 +211,7 @@ def test_tensor_parallel_composes_with_data_parallel(pools, strategy, sequence_p
     _check_dp_tp(pools, strategy, sequence_parallel, cfg, tp=2)
 
 
-@pytest.mark.parametrize("strategy, sequence_parallel", [("ddp", True), ("zero1", False), ("zero3", True)])
+@pytest.mark.parametrize("strategy, sequence_parallel", [("ddp", True), ("zero1", False), ("zero2", True), ("zero3", False)])
 def test_tp4_composes_with_dp2_on_eight_ranks(pools, strategy, sequence_parallel):
     """dp=2 x tp=4 (8 processes): as above, with four heads split one per tp rank."""
     cfg = dict(vocab_size=28, block_size=4, n_layer=2, n_head=4, n_embd=16, bias=True, tie_weights=True, seed=6)
