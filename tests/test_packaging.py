@@ -1,6 +1,7 @@
 """What a user installs: `minipar` with `minipar.models` and `minipar.kernels`, and no top-level
 `models` or `kernels` package."""
 
+import os
 import pathlib
 import shutil
 import subprocess
@@ -36,3 +37,32 @@ def test_wheel_installs_models_and_kernels_inside_minipar(tmp_path):
     sources |= {f"minipar/{d}/{f.relative_to(ROOT / d)}" for d in ("models", "kernels") for f in (ROOT / d).glob("**/*.py")}
     missing = sorted(n for n in sources if "__pycache__" not in n and n not in names)
     assert not missing, f"source files left out of the wheel (list their package in pyproject.toml): {missing}"
+
+
+def test_import_and_a_cpu_training_step_leave_triton_unimported():
+    """kernels/dispatch.py: triton is imported only at a Triton kernel's first use, so `import minipar` and a
+    CPU training step of the GPT (layer/RMS norm, GELU/SwiGLU, cross-entropy; the MoE GPT's permute and
+    unpermute) never import it. In a fresh interpreter, with TRITON_INTERPRET unset. The update is by hand:
+    a torch.optim step imports torch._dynamo, which imports triton itself."""
+    code = (
+        "import sys, torch, minipar, minipar.models, minipar.kernels\n"
+        "torch.manual_seed(0)\n"
+        "assert 'triton' not in sys.modules, 'import minipar imported triton'\n"
+        "from minipar.models import GPT, GPTConfig, MoEGPT, MoEGPTConfig, gpt_loss\n"
+        "small = dict(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_embd=16)\n"
+        "for model in (GPT(GPTConfig(**small)), GPT(GPTConfig(**small, norm='rmsnorm', mlp='swiglu')),\n"
+        "              MoEGPT(MoEGPTConfig(**small, n_experts=2, top_k=1))):\n"
+        "    idx = torch.randint(0, 64, (2, 8))\n"
+        "    loss = gpt_loss(model(idx), torch.roll(idx, -1, 1))\n"
+        "    loss.backward()\n"
+        "    with torch.no_grad():\n"
+        "        for p in model.parameters():\n"
+        "            if p.grad is not None:\n"
+        "                p -= 0.1 * p.grad\n"
+        "    assert torch.isfinite(loss) and model.wte.weight.grad is not None\n"
+        "print(sorted(m for m in sys.modules if m == 'triton' or m.startswith('triton.')))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], cwd="/", env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert out.stdout.strip() == "[]", f"triton was imported: {out.stdout.strip()[:500]}"
