@@ -4,7 +4,7 @@ in the middle of a save, and a rank killed under ``torchrun --max-restarts=1``.
 
 Training is three AdamW steps (weight decay, gradient clipping that fires) on a tiny GPT with
 dropout, so a resume that forgot an RNG stream, an optimizer moment, a step count or the loss
-scale would not be bit-exact.
+scale would not be bit-exact. Expert-parallel layouts (ep > 1) train the mixture-of-experts GPT.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 from hypothesis import example, given, settings, strategies as st
 
 from minipar import Mesh, MixedPrecision, ShardedModule, checkpoint
-from minipar.models import GPT, GPTConfig, gpt_loss
+from minipar.models import GPT, GPTConfig, MoEGPT, MoEGPTConfig, gpt_loss
 from minipar.testing import RankError, RankPool
 
 from helpers import EPS, LR, WD
@@ -38,13 +38,31 @@ def _cfg(**kw) -> dict:
     return {**dict(vocab_size=16, block_size=6, n_layer=2, n_head=2, n_embd=8, dropout=0.1, seed=3), **kw}
 
 
-def _build(layout: dict, strategy: str, cfg: dict, precision=None):
+def _moe_cfg(**kw) -> dict:
+    """The tiny GPT with mixture-of-experts MLPs (4 experts, top-2, both auxiliary losses on).
+
+    Each rank routes its own tokens as one group, so a layout with another dp routes other groups,
+    and an expert's capacity, ceil(capacity_factor * tokens * top_k / n_experts), changes with the
+    group's size. With capacity_factor >= n_experts / top_k (= 2) every expert can take every token
+    of its group, so no assignment is ever dropped, whatever the layout: a resharded run's drops
+    cannot differ from the reference's. 8.0 leaves a wide margin."""
+    return _cfg(**{**dict(n_experts=4, top_k=2, capacity_factor=8.0, aux_loss_coef=0.1, z_loss_coef=0.01), **kw})
+
+
+def _model(cfg: dict) -> GPT:
+    """The single-process model of ``cfg``: an MoE GPT when it names experts."""
+    return MoEGPT(MoEGPTConfig(**cfg)) if "n_experts" in cfg else GPT(GPTConfig(**cfg))
+
+
+def _build(layout: dict, strategy: str, cfg: dict, precision=None, optimizer=torch.optim.AdamW, **opt_kwargs):
     mesh = Mesh(**layout)
     extra = dict(schedule="1f1b", microbatches=2) if layout.get("pp", 1) > 1 else {}
     if precision is not None:
         extra["mixed_precision"] = precision
-    model = ShardedModule(GPT(GPTConfig(**cfg)), mesh=mesh, strategy=strategy, bucket_cap_mb=1e-3, **extra)
-    return mesh, model, model.build_optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD, eps=EPS)
+    # ShardedModule shards an MoE GPT's experts over ep itself (MoELayer.shard_experts).
+    model = ShardedModule(_model(cfg), mesh=mesh, strategy=strategy, bucket_cap_mb=1e-3, **extra)
+    opt_kwargs = opt_kwargs or dict(lr=LR, weight_decay=WD, eps=EPS)
+    return mesh, model, model.build_optimizer(optimizer, **opt_kwargs)
 
 
 def _steps(mesh, model, opt, data: torch.Tensor, start: int, stop: int) -> tuple[list, list]:
@@ -92,6 +110,7 @@ def _resume(ctx, layout, strategy, cfg, precision, data, path):
 RESUME_LAYOUTS = [
     (2, {}, "ddp", None), (2, {}, "zero1", FP16), (2, {}, "zero2", None), (2, {}, "zero3", None),
     (4, {"tp": 2}, "zero3", None), (2, {"pp": 2}, "ddp", None), (8, {"dp": 2, "tp": 2, "pp": 2}, "ddp", None),
+    (2, {"dp": 2, "ep": 2}, "ddp", None),  # the MoE GPT (experts need ep; MoE trains with ddp), 2 experts per rank
 ]
 
 
@@ -102,7 +121,7 @@ def test_resume_in_new_processes_is_bitwise(pools, tmp_path, world, layout, stra
     """3 steps, save, *new processes*, load, 3 steps == 6 uninterrupted steps, bit for bit: losses,
     gradient norms and every parameter (so also the optimizer moments, step counts, the fp16 loss
     scale and every rank's dropout streams, which all feed those)."""
-    cfg, path = _cfg(), tmp_path / "ckpt"
+    cfg, path = (_moe_cfg() if layout.get("ep", 1) > 1 else _cfg()), tmp_path / "ckpt"
     data = _data(7, 4)
     runs = pools.run(world, _uninterrupted_and_save, layout, strategy, cfg, precision, data, path)
     fresh = RankPool(world, pools.backend_for(world), pools.timeout)  # processes that never trained
@@ -140,14 +159,22 @@ def _load_and_train(ctx, layout, strategy, cfg, data, path):
     return losses, state
 
 
-def _reference(cfg: dict, data: torch.Tensor):
-    """The single-process run: (losses of 6 steps, state dict after 3, state dict after 6)."""
-    model = GPT(GPTConfig(**cfg))
+def _reference(cfg: dict, data: torch.Tensor, groups: tuple[int, int] = (1, 1)):
+    """The single-process run: (losses of 6 steps, state dict after 3, state dict after 6).
+
+    An MoE GPT routes the batch of steps 0-2 as ``groups[0]`` groups and that of steps 3-5 as
+    ``groups[1]``: the data-parallel sizes of the layouts that saved and loaded, whose ranks each
+    route their own share (the load-balancing loss is a mean over groups of a per-group product)."""
+    model = _model(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, eps=EPS)
     losses, after3 = [], None
     for s in range(data.shape[0]):
         x = data[s]
+        for block in model.layers:
+            if hasattr(block.mlp, "route_groups"):
+                block.mlp.route_groups = groups[s >= 3]
         loss = gpt_loss(model(x[:, :-1]), x[:, 1:])
+        assert not isinstance(model, MoEGPT) or model.moe_stats()["dropped"] == 0  # the setup _moe_cfg promises
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
         opt.step()
@@ -191,10 +218,37 @@ def test_reshard_to_any_layout(pools, tmp_path_factory, source, target, tie, see
             torch.testing.assert_close(state[k], v, msg=lambda m: f"{k} after resharding {source} -> {target}: {m}")
 
 
+MOE_RESHARDS = [((2, {"dp": 2, "ep": 2}), (1, {})), ((2, {"dp": 2, "ep": 2}), (2, {"dp": 2, "ep": 1}))]
+
+
+@pytest.mark.parametrize("source, target", MOE_RESHARDS, ids=["ep2-to-one-process", "ep2-to-dp2-ep1"])
+def test_reshard_expert_parallel_moe(pools, tmp_path, source, target):
+    """The MoE GPT saved at ep=2 (each rank holding 2 of the 4 experts of each layer) and loaded
+    with every expert on every rank: the losses of the next three steps and the final parameters
+    are the single-process run's (fp32 tolerance); the checkpoint consolidates into a state dict
+    the plain MoE GPT loads strictly, equal to the reference's."""
+    cfg = _moe_cfg(dropout=0.0, seed=5)  # dropout streams are per rank: not portable
+    data = _data(6, 4)
+    path = tmp_path / "ckpt"
+    (w1, l1), (w2, l2) = source, target
+    groups = (l1.get("dp", w1), l2.get("dp", w2))
+    ref_losses, ref_after3, ref_final = _reference(cfg, data, groups)
+    first = pools.run(w1, _train_and_save, l1, "ddp", cfg, data, path)[0]
+    torch.testing.assert_close(torch.tensor(first), torch.tensor(ref_losses[:3]))
+    consolidated = checkpoint.consolidate(path)
+    _model(cfg).load_state_dict(consolidated)  # strict: every key (the full expert stacks), no extra
+    for k, v in ref_after3.items():
+        torch.testing.assert_close(consolidated[k], v, msg=lambda m: f"consolidated {k}: {m}")
+    for losses, state in pools.run(w2, _load_and_train, l2, "ddp", cfg, data, path):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses[3:]))
+        for k, v in ref_final.items():
+            torch.testing.assert_close(state[k], v, msg=lambda m: f"{k} after resharding {source} -> {target}: {m}")
+
+
 # -- bad checkpoints -----------------------------------------------------------------------------------
 
-def _save_one_step(ctx, cfg, data, path):
-    mesh, model, opt = _build({}, "zero2", cfg)
+def _save_one_step(ctx, cfg, data, path, optimizer=torch.optim.AdamW, **opt_kwargs):
+    mesh, model, opt = _build({}, "zero2", cfg, None, optimizer, **opt_kwargs)
     _steps(mesh, model, opt, data, 0, 1)
     checkpoint.save(path, model, opt, extra_state={"step": 1})
     mesh.destroy()
@@ -271,6 +325,8 @@ def test_bad_checkpoints_are_refused_and_nothing_is_loaded(pools, tmp_path):
     _rewrite(bad["code"], "rank00001.pt", buf.getvalue())
     bad["other_model"] = tmp_path / "other_model"
     pools.run(2, _save_one_step, _cfg(n_embd=12, n_layer=3), data, bad["other_model"])
+    bad["other_optimizer"] = tmp_path / "other_optimizer"  # the same model, trained with SGD (momentum state)
+    pools.run(2, _save_one_step, cfg, data, bad["other_optimizer"], torch.optim.SGD, lr=LR, momentum=0.9)
 
     for rank_messages in pools.run(2, _try_bad, cfg, data, bad):
         assert "no manifest.json: its save did not finish" in rank_messages["torn"]
@@ -279,6 +335,7 @@ def test_bad_checkpoints_are_refused_and_nothing_is_loaded(pools, tmp_path):
         assert "refused to unpickle it (weights_only=True)" in rank_messages["code"]
         assert "holds another model" in rank_messages["other_model"] and "of another shape" in \
             rank_messages["other_model"] and "parameters unexpected: layers.2." in rank_messages["other_model"]
+        assert "the checkpoint's optimizer is SGD, this one is AdamW" in rank_messages["other_optimizer"]
     assert not marker.exists(), "loading a checkpoint ran code from it"
 
 
@@ -429,3 +486,46 @@ def test_sigkill_under_torchrun_resumes_to_the_same_parameters(tmp_path):
     la = json.loads((tmp_path / "o1" / "gpt_tp_pp.json").read_text())["losses"]
     lb = json.loads((tmp_path / "o2" / "gpt_tp_pp.json").read_text())["losses"]
     assert la == lb
+
+
+# -- parameter groups ------------------------------------------------------------------------------
+
+def _two_groups(model, wd_second: float):
+    """AdamW with the matrices decayed and the vectors (biases, norm weights) not: two groups."""
+    params = list(model.module.parameters())
+    return torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2]},
+                              {"params": [p for p in params if p.dim() < 2], "weight_decay": wd_second}],
+                             lr=LR, weight_decay=WD, eps=EPS)
+
+
+def _param_groups(ctx, cfg, data, root, saved: int, loaded: int):
+    mesh, model, _ = _build({}, "ddp", cfg)
+    opt = model.build_optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD, eps=EPS) if saved == 1 \
+        else _two_groups(model, 0.0)
+    _steps(mesh, model, opt, data, 0, 1)
+    checkpoint.save(root, model, opt, extra_state={"step": 1})
+    mesh.destroy()
+    mesh, model, _ = _build({}, "ddp", cfg)
+    opt = model.build_optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD, eps=EPS) if loaded == 1 \
+        else _two_groups(model, 0.5)  # another no-decay value: the checkpoint's must win, as in torch
+    try:
+        checkpoint.load(root, model, opt)
+        out = [g["weight_decay"] for g in opt.param_groups]
+    except checkpoint.CheckpointError as e:
+        out = str(e)
+    mesh.destroy()
+    return out
+
+
+@pytest.mark.parametrize("saved, loaded", [(1, 2), (2, 1), (2, 2)])
+def test_parameter_groups_must_match_as_in_torch(pools, tmp_path, saved, loaded):
+    """As torch's Optimizer.load_state_dict: the optimizer must have the parameter groups the
+    checkpoint was saved with (else refused, on every rank: one group's weight decay silently
+    becoming another's is how a resumed run drifts), and the checkpoint's hyperparameters win."""
+    cfg, data = _cfg(), _data(7, 4)
+    for out in pools.run(2, _param_groups, cfg, data, tmp_path / "ck", saved, loaded):
+        if saved == loaded:
+            assert out == [WD, 0.0], out
+        else:
+            assert isinstance(out, str) and f"has {saved} parameter group(s)" in out and \
+                f"this one has {loaded}" in out, out

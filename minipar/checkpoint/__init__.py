@@ -266,13 +266,14 @@ def _prepare(path: Path, model, optimizer, slots: list[Slot], all_params: dict, 
         keys = agreed(keys, f"{s.name}: the optimizer state keys")
         per_elem = {k: cut_local(assemble_full(s.name, shape, ps, lambda pc, k=k: pc["state"][k]), s) for k in keys}
         scalars = agreed([pc["scalars"] for pc in ps], f"{s.name}: the optimizer's scalar state")
-        states[id(s.param)] = (per_elem, scalars, ps[0]["hyper"]) if keys or scalars else None
+        group = agreed([pc["group"] for pc in ps], f"{s.name}: the optimizer's parameter group")
+        states[id(s.param)] = (per_elem, scalars, ps[0]["hyper"], group) if keys or scalars else None
 
     # Per tensor the optimizer steps (a parameter, or a ZeRO master holding many): its new contents.
     owners: dict[int, list[Slot]] = defaultdict(list)
     for s in slots:
         owners[id(s.owner)].append(s)
-    new_owner, new_state, hyper_of = {}, {}, {}
+    new_owner, new_state, hyper_of, group_of = {}, {}, {}, {}
     for group in owners.values():
         owner = group[0].owner
         flat = owner.detach().reshape(-1).clone()
@@ -300,11 +301,21 @@ def _prepare(path: Path, model, optimizer, slots: list[Slot], all_params: dict, 
             state.update({k: v.clone() if torch.is_tensor(v) else v for k, v in scalars.items()})
             new_state[id(owner)] = state
             hyper_of[id(owner)] = [states[id(s.param)][2] for s in filled]
+            group_of[id(owner)] = (filled[0].name, [states[id(s.param)][3] for s in filled])
 
     opt_sd = None
     if topt is not None:
         sd_state, groups, index = {}, [], 0
-        for g in topt.param_groups:
+        saved_groups = len(payloads[own]["param_groups"]) if payloads[own]["param_groups"] else 1
+        for gi, g in enumerate(topt.param_groups):
+            # As torch's load_state_dict: the same parameter groups, the checkpoint's hyperparameters.
+            for p in g["params"]:
+                name, saved = group_of.get(id(p), (None, [gi]))
+                if len(topt.param_groups) != saved_groups or any(k != gi for k in saved):
+                    raise CheckpointError(
+                        f"the checkpoint's optimizer has {saved_groups} parameter group(s) and {name} in group "
+                        f"{saved[0]}; this one has {len(topt.param_groups)} and {name} in group {gi}: build the "
+                        "optimizer with the parameter groups the checkpoint was saved with")
             hyper = [h for p in g["params"] for h in hyper_of.get(id(p), []) if h is not None]
             merged = {k: v for k, v in g.items() if k != "params"}
             if hyper:
