@@ -312,6 +312,26 @@ LLAMA_PLAN = {
 }
 
 
+def _llama_heads_refused(ctx):
+    mesh = Mesh(tp=ctx.world_size)
+    model = LlamaLike(dim=16, heads=2)  # head_dim 8: two heads, and tp=4 divides the 16 features but not them
+    with mesh.comm.counting() as stats, pytest.raises(ValueError) as info:
+        parallelize(model, mesh, LLAMA_PLAN)
+    untouched = isinstance(model.model.layers[0].self_attn.q_proj, nn.Linear) and \
+        type(model.model.layers[0].self_attn.q_proj) is nn.Linear
+    mesh.destroy()
+    return str(info.value), stats.records, untouched
+
+
+def test_heads_tp_does_not_divide_are_refused_on_a_model_minipar_did_not_write(pools):
+    """A Llama-style model with 2 heads at tp=4: every projection's 16 features split, but the heads
+    would not. parallelize raises ValueError on every rank, names the projection and the head count,
+    sends nothing and leaves the model as it was (without the check: a reshape error mid-forward)."""
+    for msg, records, untouched in pools.run(4, _llama_heads_refused):
+        assert "'model.layers.0.self_attn.q_proj' projects onto 2 heads of 8" in msg and "tp=4" in msg, msg
+        assert records == [] and untouched
+
+
 def _llama(ctx, sequence_parallel: bool, data: torch.Tensor):
     mesh = Mesh(tp=ctx.world_size)
     model = parallelize(LlamaLike(), mesh, LLAMA_PLAN, sequence_parallel=sequence_parallel)

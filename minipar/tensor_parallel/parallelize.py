@@ -81,7 +81,8 @@ def parallelize(module: nn.Module, mesh: Mesh, plan: dict[str, object], sequence
 
     Raises ValueError, before any communication, for an unknown style, a
     pattern that matches no module, a style that does not fit the module it
-    matched, or sizes the tp size does not divide.
+    matched, sizes the tp size does not divide, or attention heads it does not
+    (a projection inside a module with an integer ``head_dim``).
     """
     names = [n for n, _ in module.named_modules() if n]
     targets: list[tuple[str, object]] = []
@@ -102,6 +103,8 @@ def parallelize(module: nn.Module, mesh: Mesh, plan: dict[str, object], sequence
                 raise ValueError(f"plan: {name!r} is 'colwise_in_region' but no module above it is 'enter_region'; "
                                  "mark its parent 'enter_region' or use 'colwise'")
             region_of[name] = module.get_submodule(owner)
+
+    _check_heads(module, targets, mesh.tp)
 
     # Build every replacement first, so a plan that fails leaves the module untouched.
     # id(original weight) -> (its shard, shard dim, who), so tied weights stay tied
@@ -160,6 +163,24 @@ def parallelize(module: nn.Module, mesh: Mesh, plan: dict[str, object], sequence
                 for p in m.parameters():
                     mark_sequence_parallel(p, mesh)
     return module
+
+
+def _check_heads(module: nn.Module, targets: list[tuple[str, object]], tp: int) -> None:
+    """Attention heads must split whole over tp. A column-split projection inside a module with an
+    integer ``head_dim`` (the attention module, as in Hugging Face's and minipar's models) whose
+    output is a whole number of heads must have a number of heads tp divides: otherwise each rank
+    would hold a fraction of a head, and the model would fail later in a reshape, or compute wrongly."""
+    for name, style in targets:
+        if style not in ("colwise", "colwise_in_region", "colwise_gather"):
+            continue
+        parts = name.split(".")
+        owners = [module.get_submodule(".".join(parts[:i])) if i else module for i in range(len(parts) - 1, -1, -1)]
+        head_dim = next((m.head_dim for m in owners if isinstance(getattr(m, "head_dim", None), int)), None)
+        out = getattr(module.get_submodule(name), "out_features", None)
+        if head_dim and out is not None and out % head_dim == 0 and (out // head_dim) % tp:
+            raise ValueError(f"plan: {name!r} projects onto {out // head_dim} heads of {head_dim} (head_dim of its "
+                             f"attention module), which tp={tp} does not split into whole heads; use a tp that "
+                             "divides the number of heads (key/value heads too)")
 
 
 def _convert(old: nn.Module, style: str, mesh: Mesh, sequence_parallel: bool, name: str) -> nn.Module:
