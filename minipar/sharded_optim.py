@@ -79,6 +79,23 @@ class StagingPool:
             self._free.pop(min(range(len(self._free)), key=lambda i: self._free[i].numel()))
 
 
+def claim(ready: list[bool], i: int) -> None:
+    """Mark parameter ``i``'s gradient as received in this backward; a second one is an error."""
+    if ready[i]:
+        raise RuntimeError("a parameter received its gradient twice in one backward; ZeRO reduce-scatters "
+                           "each gradient once per backward")
+    ready[i] = True
+
+
+def divide_into(view: torch.Tensor, grad: torch.Tensor, divisor: int) -> None:
+    """view <- grad / divisor, in one pass when the dtypes agree; else cast first and divide in the
+    view's (reduce) dtype, not in the gradient's lower one."""
+    if grad.dtype == view.dtype:
+        torch.div(grad, divisor, out=view)
+    else:
+        view.copy_(grad).div_(divisor)
+
+
 class GradStaging:
     """One group's full local gradient, from its first piece until its reduce-scatter lands in the shard.
 
@@ -112,16 +129,9 @@ class GradStaging:
 
     def add(self, i: int, grad: torch.Tensor, divisor: int) -> None:
         """Stage ``grad / divisor`` (the sum over ranks of grad / N is the mean): one pass over it."""
-        if self.ready[i]:
-            raise RuntimeError("a parameter received its gradient twice in one backward; ZeRO reduce-scatters "
-                               "each gradient once per backward")
+        claim(self.ready, i)
         self._buffer()
-        view = self._views[i]
-        if grad.dtype == view.dtype:
-            torch.div(grad, divisor, out=view)
-        else:  # divide in the staging (reduce) dtype, not in the gradient's lower one
-            view.copy_(grad).div_(divisor)
-        self.ready[i] = True
+        divide_into(self._views[i], grad, divisor)
 
     def launch(self, comm: Comm, axis: AxisGroup) -> None:
         flat = self._buffer()

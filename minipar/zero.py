@@ -50,7 +50,7 @@ from .flat import FlatLayout
 from .mesh import Mesh
 from .precision import MixedPrecision
 from .comm import AxisGroup, Comm
-from .sharded_optim import GradStaging, LaunchOrder, ShardedState, ShardGroup, make_master
+from .sharded_optim import GradStaging, LaunchOrder, ShardedState, ShardGroup, claim, divide_into, make_master
 
 
 class _BucketedShards(ShardedState):
@@ -195,18 +195,13 @@ class FullGrads:
 
     def add(self, i: int, grad: torch.Tensor, divisor: int) -> None:
         """Add ``grad / divisor`` into parameter ``i``'s view (the sum over ranks is the mean)."""
-        if self.ready[i]:
-            raise RuntimeError("a parameter received its gradient twice in one backward; ZeRO reduce-scatters "
-                               "each gradient once per backward")
+        claim(self.ready, i)
         self._begin()
         view = self._views[i]
-        if not self._fresh:
+        if self._fresh:
+            divide_into(view, grad, divisor)
+        else:
             view.add_(grad.to(view.dtype) / divisor)
-        elif grad.dtype == view.dtype:
-            torch.div(grad, divisor, out=view)
-        else:  # divide in the buffer's (reduce) dtype, not in the gradient's lower one
-            view.copy_(grad).div_(divisor)
-        self.ready[i] = True
 
     def launch(self, comm: Comm, axis: AxisGroup) -> None:
         self._begin()
