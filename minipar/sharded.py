@@ -165,7 +165,7 @@ class ShardedModule(nn.Module):
         elif strategy == "zero1":
             self.strategy = Zero1(self.module, mesh, policy, cpu_offload, bucket_cap_mb)
         elif strategy == "zero2":
-            self.strategy = Zero2(self.module, mesh, policy, cpu_offload, bucket_cap_mb)
+            self.strategy = Zero2(self.module, mesh, policy, cpu_offload, bucket_cap_mb, local_accumulation=mesh.pp > 1)
         else:
             from .fsdp import Zero3
             self.strategy = Zero3(self.module, mesh, policy, cpu_offload, wrap_policy, reshard_after_forward)

@@ -27,7 +27,9 @@ arrives, a complete bucket is reduce-scattered at once into the persistent
 gradient shard, and at most two launched buckets wait to land before their staging
 buffers are freed (`LaunchOrder`). Only the gradient shards persist, and they
 accumulate over backwards until ``zero_grad``; since nothing else is kept,
-every backward communicates, also inside ``no_sync``.
+every backward communicates, also inside ``no_sync``. Under pipeline
+parallelism (``local_accumulation``) ``no_sync`` acts as ZeRO-1's: the
+micro-batches accumulate in ``p.grad`` and the last one reduce-scatters once.
 
 Per step both move what DDP moves: a reduce-scatter plus an all-gather of the
 parameters is one all-reduce's worth of bytes on the wire.
@@ -58,9 +60,11 @@ class _BucketedShards(ShardedState):
     buckets reduce-scattered in one fixed order during backward, shards all-gathered after the step."""
 
     stage: int
+    local_accumulation: bool  # no_sync accumulates in p.grad and sends nothing (stage 1; stage 2 under pp)
 
     def __init__(self, module: nn.Module, mesh: Mesh, policy: MixedPrecision, offload: bool,
                  bucket_cap_mb: float) -> None:
+        self._sync = True
         super().__init__(mesh.comm, mesh.group("dp"), mesh.world, mesh.group("tp"), policy, offload)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.comm.check_same(f"the zero{self.stage} configuration", {
@@ -76,7 +80,39 @@ class _BucketedShards(ShardedState):
                        for b in self.buckets for i, p in enumerate(b.group.layout.params)]
 
     def _syncing(self) -> bool:
-        return True
+        # A no_sync backward leaves gradients in p.grad that the shards do not hold; a synchronising
+        # one reduces them all (hooks, then _add_unreported_grads), once its buckets have landed.
+        self._shards_current = self._sync
+        return self._sync
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """With local accumulation: accumulate in ``p.grad`` without communicating; the next
+        synchronising backward (or the step, if none comes) moves the sum into the buckets and
+        reduce-scatters it. Without (stage 2 by default): changes nothing, see ShardedState.no_sync."""
+        previous = self._sync
+        self._sync = previous and not self.local_accumulation
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def _add_unreported_grads(self) -> None:
+        """Into the buckets not launched yet: the gradients whose hook did not fire in this backward
+        (parameters it did not use, whose p.grad comes from earlier no_sync backwards)."""
+        for b in self.order.unlaunched():
+            for i, p in enumerate(b.group.layout.params):
+                if not b.ready[i] and p.grad is not None:
+                    b.add(i, p.grad, self.group.size)
+                    p.grad = None
+
+    @torch.no_grad()
+    def reduce_grads(self) -> None:
+        if self._shards_current:
+            return
+        self._add_unreported_grads()  # the step came after a no_sync backward (or none): reduce now
+        self.order.finish()
+        self._shards_current = True
 
     def _make_hook(self, b: GradStaging, i: int):
         def hook(p: nn.Parameter) -> None:
@@ -124,9 +160,6 @@ class _BucketedShards(ShardedState):
 
     def _make_buckets(self) -> list:
         raise NotImplementedError
-
-    def _add_unreported_grads(self) -> None:
-        """Stage 1 moves, at the end of backward, what its hooks did not (stage 2 has nothing left)."""
 
     def _setup(self, module: nn.Module, mesh: Mesh, groups_of_params: list[list[nn.Parameter]]) -> None:
         dtype = self.policy.param_dtype
@@ -232,48 +265,15 @@ class Zero1(_BucketedShards):
     """ZeRO-1: optimizer state sharded; the full gradient kept in flat buckets, reduce-scattered in place."""
 
     stage = 1
+    local_accumulation = True
 
     def __init__(self, module: nn.Module, mesh: Mesh, policy: MixedPrecision, offload: bool,
                  bucket_cap_mb: float = 25.0) -> None:
-        self._sync = True
         self._shards_current = False  # every gradient so far has been reduced into the shards
         super().__init__(module, mesh, policy, offload, bucket_cap_mb)
 
     def _make_buckets(self) -> list[FullGrads]:
         return [FullGrads(g, self.policy.grad_dtype) for g in self.groups]
-
-    def _syncing(self) -> bool:
-        # A no_sync backward leaves gradients in p.grad that the shards do not hold; a synchronising
-        # one reduces them all (hooks, then _add_unreported_grads), once its buckets have landed.
-        self._shards_current = self._sync
-        return self._sync
-
-    def _add_unreported_grads(self) -> None:
-        """Into the buckets not launched yet: the gradients whose hook did not fire in this backward
-        (parameters it did not use, whose p.grad comes from earlier no_sync backwards)."""
-        for b in self.order.unlaunched():
-            for i, p in enumerate(b.group.layout.params):
-                if not b.ready[i] and p.grad is not None:
-                    b.add(i, p.grad, self.group.size)
-                    p.grad = None
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Accumulate in ``p.grad`` without communicating; the next synchronising backward (or the
-        step, if none comes) moves the sum into the buckets and reduce-scatters it."""
-        previous, self._sync = self._sync, False
-        try:
-            yield
-        finally:
-            self._sync = previous
-
-    @torch.no_grad()
-    def reduce_grads(self) -> None:
-        if self._shards_current:
-            return
-        self._add_unreported_grads()  # the step came after a no_sync backward (or none): reduce now
-        self.order.finish()
-        self._shards_current = True
 
     def zero_grad(self) -> None:
         # No pass over memory: the buckets become "fresh" (the next gradients overwrite them), and
@@ -293,6 +293,22 @@ class Zero2(_BucketedShards):
     """ZeRO-2: optimizer state and gradients sharded; every backward reduce-scatters its buckets."""
 
     stage = 2
+
+    def __init__(self, module: nn.Module, mesh: Mesh, policy: MixedPrecision, offload: bool,
+                 bucket_cap_mb: float = 25.0, local_accumulation: bool = False) -> None:
+        # local_accumulation (ShardedModule sets it under pipeline parallelism, where every micro-batch
+        # but the last runs under no_sync): hold the local gradient in p.grad during the step, as
+        # ZeRO-1 and DDP do, and reduce-scatter once, after the last micro-batch, instead of m times.
+        self.local_accumulation = local_accumulation
+        self._shards_current = True  # the shards hold every gradient (nothing waits in p.grad)
+        super().__init__(module, mesh, policy, offload, bucket_cap_mb)
+
+    def zero_grad(self) -> None:
+        super().zero_grad()
+        for g in self.groups:
+            for p in g.layout.params:
+                p.grad = None  # what no_sync accumulated is dropped too
+        self._shards_current = True
 
     def _make_buckets(self) -> list[GradStaging]:
         for g in self.groups:
