@@ -215,6 +215,10 @@ class ShardedModule(nn.Module):
         scaler = getattr(self.strategy, "scaler", None)
         scale = scaler.scale if scaler is not None and scaler.enabled else None
         stage_loss = loss_fn if scale is None else (lambda out, y: loss_fn(out, y) * scale)  # fp16: scaled backward
+        w = stage.tied_weight()
+        # DDP: a tied gradient left from an earlier step without zero_grad was summed over the stages then.
+        ddp_summed = w.grad.clone() if w is not None and w.grad is not None and \
+            not isinstance(self.strategy, (Zero1, Zero2)) else None
         loss, self.peak_live_activations = run_schedule(stage, actions, mesh, list(inputs.chunk(m)) if stage.first else None,
                             list(targets.chunk(m)) if stage.last else None, stage_loss, act_shape,
                             next(stage.parameters()).dtype, no_sync=self.strategy.no_sync,
@@ -222,7 +226,7 @@ class ShardedModule(nn.Module):
         if isinstance(self.strategy, (Zero1, Zero2)):  # their gradients are already in the dp shards
             self._sync_tied_grad_shards()
         else:  # DDP: the averaged p.grad
-            sync_tied_grads(stage, mesh, self._tied_shape)
+            sync_tied_grads(stage, mesh, self._tied_shape, already_summed=ddp_summed)
         # Every rank reports the global loss: the last stage's, then the mean over data-parallel ranks.
         loss = loss.float().reshape(1) if scale is None else loss.float().reshape(1) / scale
         mesh.comm.all_reduce(loss, mesh.group("pp"), tag="loss")
@@ -233,16 +237,28 @@ class ShardedModule(nn.Module):
     def _sync_tied_grad_shards(self) -> None:
         """ZeRO-1/2 reduced the gradients into shards during the last backward, cut differently on the
         first and last stage: assemble the tied weight's reduced gradient over dp, sum it over pp
-        (middle stages add zeros), and write each rank's piece back into its shard."""
-        stage = self.module
+        (middle stages add zeros), and write each rank's piece back into its shard.
+
+        Without zero_grad since the last step, the shards still hold that step's sum, identical on
+        both stages: only what came since is summed (else the earlier steps would count twice)."""
+        stage, st = self.module, self.strategy
         if not stage.tied:
             return
         w = stage.tied_weight()
-        full = self.strategy.full_grad_of(w) if w is not None else \
-            torch.zeros(self._tied_shape, dtype=self.strategy.policy.grad_dtype, device=self.mesh.device)
+        if w is None:
+            full = torch.zeros(self._tied_shape, dtype=st.policy.grad_dtype, device=self.mesh.device)
+            self.mesh.comm.all_reduce(full, self.mesh.group("pp"), tag="tied_grad")
+            return
+        st.reduce_grads()
+        piece, before = st.grad_piece(w), st.tied_summed
+        if before is not None:
+            piece.sub_(before)
+        full = st.full_grad_of(w)
         self.mesh.comm.all_reduce(full, self.mesh.group("pp"), tag="tied_grad")
-        if w is not None:
-            self.strategy.set_grad_of(w, full)
+        st.set_grad_of(w, full)
+        if before is not None:
+            piece.add_(before)
+        st.tied_summed = piece.clone()
 
     def build_optimizer(self, optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any):
         """The optimizer to step: ``optimizer_cls`` over the parameters this rank updates.

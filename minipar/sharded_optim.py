@@ -224,6 +224,9 @@ class ShardedState:
         # the tied weight, whose gradient the first and last stage share, is counted on one of them.
         self.pp: AxisGroup | None = None
         self.norm_skip: nn.Parameter | None = None
+        # This rank's piece of the tied weight's gradient as the last pipeline step left it, summed over
+        # the stages; until zero_grad the next step sums only what came since (see ShardedModule).
+        self.tied_summed: torch.Tensor | None = None
         self.optimizer: ShardedOptimizer | None = None
         self._unscaled = False
         self._found_inf = False
@@ -351,6 +354,7 @@ class ShardedState:
             if g.grad_shard is not None:
                 g.grad_shard.zero_()
         self._unscaled = False
+        self.tied_summed = None
 
     # -- accounting ------------------------------------------------------------
 

@@ -151,6 +151,11 @@ class _BucketedShards(ShardedState):
         if a < b:
             g.grad_shard[a - g.layout.lo:b - g.layout.lo] = full.reshape(-1)[a - p_lo:b - p_lo]
 
+    def grad_piece(self, param: nn.Parameter) -> torch.Tensor:
+        """The view of this rank's gradient shard that holds ``param``'s piece (empty if none)."""
+        g, _, (a, b) = self._piece_of(param)
+        return g.grad_shard[a - g.layout.lo:max(a, b) - g.layout.lo]
+
     def _piece_of(self, param: nn.Parameter):
         for g in self.groups:
             if any(p is param for p in g.layout.params):
@@ -284,6 +289,7 @@ class Zero1(_BucketedShards):
             for p in b.group.layout.params:
                 p.grad = None
         self._shards_current = self._unscaled = False
+        self.tied_summed = None
 
     def grad_tensors(self) -> list[torch.Tensor]:
         return [p.grad for g in self.groups for p in g.layout.params] + [b.flat for b in self.buckets]

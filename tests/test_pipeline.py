@@ -505,3 +505,35 @@ def test_fp16_loss_scaling_under_the_pipeline_equals_one_process(pools):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-3, atol=1e-3)
         for k, v in ref_state.items():
             torch.testing.assert_close(state[k], v, rtol=1e-3, atol=0.1 * LR, msg=lambda s: f"rank {rank} {k}: {s}")
+
+
+# -- accumulation over train_steps ---------------------------------------------------------------
+
+def _two_train_steps(ctx, strategy: str, cfg: dict, batches: list[torch.Tensor]):
+    mesh = Mesh(pp=2, dp=ctx.world_size // 2)
+    model = ShardedModule(GPT(GPTConfig(**cfg)), mesh=mesh, strategy=strategy, schedule="1f1b", microbatches=2)
+    model.build_optimizer(torch.optim.AdamW, lr=LR)
+    rows = batches[0].shape[0] // mesh.dp
+    for x in batches:  # no zero_grad in between: the gradients of both steps add up
+        x = x[mesh.dp_rank * rows:(mesh.dp_rank + 1) * rows]
+        model.train_step(x[:, :-1], x[:, 1:], gpt_loss)
+    grads = _grads_now(model)
+    mesh.destroy()
+    return grads
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2"])
+def test_train_steps_without_zero_grad_accumulate_the_tied_weight_once(pools, strategy):
+    """Two train_steps and no zero_grad: every gradient, the tied embedding/head one included, is
+    the sum of the two steps' gradients. The tied weight's two copies (first and last stage) are
+    summed per step; summing again what an earlier step already summed would count it twice."""
+    cfg = dict(vocab_size=12, block_size=4, n_layer=2, n_head=2, n_embd=8, tie_weights=True, seed=2)
+    gen = torch.Generator().manual_seed(9)
+    batches = [torch.randint(0, 12, (4, 5), generator=gen) for _ in range(2)]
+    ref = GPT(GPTConfig(**cfg))
+    for x in batches:
+        gpt_loss(ref(x[:, :-1]), x[:, 1:]).backward()
+    want = {n: p.grad for n, p in ref.named_parameters(remove_duplicate=False)}
+    for rank, grads in enumerate(pools.run(4, _two_train_steps, strategy, cfg, batches)):
+        for k, g in grads.items():
+            torch.testing.assert_close(g, want[k], msg=lambda m: f"rank {rank} {strategy} {k}: {m}")

@@ -184,13 +184,20 @@ class GPTStage(nn.Module):
 
 
 @torch.no_grad()
-def sync_tied_grads(stage: GPTStage, mesh: Mesh, shape: torch.Size) -> None:
-    """Sum the tied weight's gradient over the first and last stage (middle stages add zeros)."""
+def sync_tied_grads(stage: GPTStage, mesh: Mesh, shape: torch.Size, already_summed: torch.Tensor | None = None) -> None:
+    """Sum the tied weight's gradient over the first and last stage (middle stages add zeros).
+
+    ``already_summed``: what ``w.grad`` held before this step (an earlier step's sum, identical on both
+    stages, when zero_grad was not called in between): only the gradient added since is summed."""
     if not stage.tied:
         return
     w = stage.tied_weight()
     dtype = next(stage.parameters()).dtype  # the gradient's dtype (the compute dtype), equal on every stage
     buf = torch.zeros(shape, dtype=dtype, device=mesh.device) if w is None or w.grad is None else w.grad
+    if already_summed is not None:
+        buf.sub_(already_summed)
     mesh.comm.all_reduce(buf, mesh.group("pp"), tag="tied_grad")
+    if already_summed is not None:
+        buf.add_(already_summed)
     if w is not None and w.grad is None:
         w.grad = buf
