@@ -215,18 +215,23 @@ class ShardedModule(nn.Module):
         scaler = getattr(self.strategy, "scaler", None)
         scale = scaler.scale if scaler is not None and scaler.enabled else None
         stage_loss = loss_fn if scale is None else (lambda out, y: loss_fn(out, y) * scale)  # fp16: scaled backward
-        w = stage.tied_weight()
-        # DDP: a tied gradient left from an earlier step without zero_grad was summed over the stages then.
-        ddp_summed = w.grad.clone() if w is not None and w.grad is not None and \
-            not isinstance(self.strategy, (Zero1, Zero2)) else None
+        # A tied gradient left from an earlier step without zero_grad was summed over the stages then
+        # (and may have been clipped or unscaled since): remember it as it is now, to sum only what is new.
+        w, zero = stage.tied_weight(), isinstance(self.strategy, (Zero1, Zero2))
+        tied_before = None
+        if w is not None and zero and self.strategy.tied_summed:
+            self.strategy.reduce_grads()
+            tied_before = self.strategy.grad_piece(w).clone()
+        elif w is not None and not zero and w.grad is not None:
+            tied_before = w.grad.clone()
         loss, self.peak_live_activations = run_schedule(stage, actions, mesh, list(inputs.chunk(m)) if stage.first else None,
                             list(targets.chunk(m)) if stage.last else None, stage_loss, act_shape,
                             next(stage.parameters()).dtype, no_sync=self.strategy.no_sync,
                             timeline=self.timeline if self.record_timeline else None)
-        if isinstance(self.strategy, (Zero1, Zero2)):  # their gradients are already in the dp shards
-            self._sync_tied_grad_shards()
+        if zero:  # their gradients are already in the dp shards
+            self._sync_tied_grad_shards(tied_before)
         else:  # DDP: the averaged p.grad
-            sync_tied_grads(stage, mesh, self._tied_shape, already_summed=ddp_summed)
+            sync_tied_grads(stage, mesh, self._tied_shape, already_summed=tied_before)
         # Every rank reports the global loss: the last stage's, then the mean over data-parallel ranks.
         loss = loss.float().reshape(1) if scale is None else loss.float().reshape(1) / scale
         mesh.comm.all_reduce(loss, mesh.group("pp"), tag="loss")
@@ -234,13 +239,14 @@ class ShardedModule(nn.Module):
         return loss.div_(mesh.dp)[0]
 
     @torch.no_grad()
-    def _sync_tied_grad_shards(self) -> None:
+    def _sync_tied_grad_shards(self, before: torch.Tensor | None) -> None:
         """ZeRO-1/2 reduced the gradients into shards during the last backward, cut differently on the
         first and last stage: assemble the tied weight's reduced gradient over dp, sum it over pp
         (middle stages add zeros), and write each rank's piece back into its shard.
 
-        Without zero_grad since the last step, the shards still hold that step's sum, identical on
-        both stages: only what came since is summed (else the earlier steps would count twice)."""
+        ``before``: this rank's piece as the step found it, when an earlier step without zero_grad
+        since had summed it already (identical on both stages): only what came since is summed (else
+        the earlier steps would count twice)."""
         stage, st = self.module, self.strategy
         if not stage.tied:
             return
@@ -250,7 +256,7 @@ class ShardedModule(nn.Module):
             self.mesh.comm.all_reduce(full, self.mesh.group("pp"), tag="tied_grad")
             return
         st.reduce_grads()
-        piece, before = st.grad_piece(w), st.tied_summed
+        piece = st.grad_piece(w)
         if before is not None:
             piece.sub_(before)
         full = st.full_grad_of(w)
@@ -258,7 +264,7 @@ class ShardedModule(nn.Module):
         st.set_grad_of(w, full)
         if before is not None:
             piece.add_(before)
-        st.tied_summed = piece.clone()
+        st.tied_summed = True
 
     def build_optimizer(self, optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any):
         """The optimizer to step: ``optimizer_cls`` over the parameters this rank updates.
@@ -335,6 +341,13 @@ class ShardedModule(nn.Module):
         self.mesh.comm.all_reduce(part, self.mesh.group("dp"), tag="moe_stats")
         aux, z, n, dropped = part.tolist()
         return {"aux": aux / n, "z": z / n, "dropped": int(dropped)} if n else {}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``nn.Module.zero_grad``, and under ZeRO also what the optimizer's ``zero_grad`` clears: the
+        gradient shards and ZeRO-1's buckets, which hold the gradients outside ``p.grad``."""
+        super().zero_grad(set_to_none)
+        if isinstance(self.strategy, ShardedState):
+            self.strategy.zero_grad()
 
     def memory_stats(self) -> dict[str, int]:
         """{"params", "grads", "optimizer"}: bytes of persistent state this rank holds (no transient buffers)."""

@@ -224,9 +224,9 @@ class ShardedState:
         # the tied weight, whose gradient the first and last stage share, is counted on one of them.
         self.pp: AxisGroup | None = None
         self.norm_skip: nn.Parameter | None = None
-        # This rank's piece of the tied weight's gradient as the last pipeline step left it, summed over
-        # the stages; until zero_grad the next step sums only what came since (see ShardedModule).
-        self.tied_summed: torch.Tensor | None = None
+        # A pipeline step summed the tied weight's gradient over the stages since zero_grad: the next
+        # step must sum only what it adds (see ShardedModule._pipeline_step).
+        self.tied_summed = False
         self.optimizer: ShardedOptimizer | None = None
         self._unscaled = False
         self._found_inf = False
@@ -295,7 +295,7 @@ class ShardedState:
         total = local[0] if inf else local[0].pow(1.0 / norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # as torch.nn.utils.clip_grad_norm_
         for g in self.groups:
-            g.grad_shard.mul_(coef.to(g.grad_shard.dtype))
+            g.real_grad.mul_(coef.to(g.grad_shard.dtype))  # not the padding: a nan norm must not stick there
         return total
 
     # -- the step --------------------------------------------------------------
@@ -354,7 +354,7 @@ class ShardedState:
             if g.grad_shard is not None:
                 g.grad_shard.zero_()
         self._unscaled = False
-        self.tied_summed = None
+        self.tied_summed = False
 
     # -- accounting ------------------------------------------------------------
 

@@ -205,7 +205,7 @@ class FullGrads:
       stale input. Before anything is added again the rest is zeroed, so a further reduction adds
       only new gradients to every slice, and this rank's slice keeps what it held.
 
-    The padding is zero from allocation on, and stays so (a reduction of zeros).
+    The padding is zeroed at each fresh launch (a reduction of zeros keeps it so until zero_grad).
     """
 
     def __init__(self, group: ShardGroup, dtype: torch.dtype) -> None:
@@ -247,6 +247,7 @@ class FullGrads:
             for view, ready in zip(self._views, self.ready):
                 if not ready:
                     view.zero_()  # a parameter that got no gradient contributes zero
+            self.flat[self.group.layout.numel:].zero_()  # and so does the padding, whatever wrote it
             self._fresh = False
         # In place (this rank's slice is the output): NCCL reduces in place at the rank offset; gloo's
         # path all-reduces the whole buffer, which is ours to overwrite: its other slices are zeroed
@@ -289,7 +290,7 @@ class Zero1(_BucketedShards):
             for p in b.group.layout.params:
                 p.grad = None
         self._shards_current = self._unscaled = False
-        self.tied_summed = None
+        self.tied_summed = False
 
     def grad_tensors(self) -> list[torch.Tensor]:
         return [p.grad for g in self.groups for p in g.layout.params] + [b.flat for b in self.buckets]

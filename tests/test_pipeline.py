@@ -509,21 +509,24 @@ def test_fp16_loss_scaling_under_the_pipeline_equals_one_process(pools):
 
 # -- accumulation over train_steps ---------------------------------------------------------------
 
-def _two_train_steps(ctx, strategy: str, cfg: dict, batches: list[torch.Tensor]):
+def _two_train_steps(ctx, strategy: str, cfg: dict, batches: list[torch.Tensor], clip: float | None):
     mesh = Mesh(pp=2, dp=ctx.world_size // 2)
     model = ShardedModule(GPT(GPTConfig(**cfg)), mesh=mesh, strategy=strategy, schedule="1f1b", microbatches=2)
     model.build_optimizer(torch.optim.AdamW, lr=LR)
     rows = batches[0].shape[0] // mesh.dp
-    for x in batches:  # no zero_grad in between: the gradients of both steps add up
+    for i, x in enumerate(batches):  # no zero_grad in between: the gradients of both steps add up
         x = x[mesh.dp_rank * rows:(mesh.dp_rank + 1) * rows]
         model.train_step(x[:, :-1], x[:, 1:], gpt_loss)
+        if clip is not None and i == 0:  # changes the first step's sum in place before the second step
+            model.clip_grad_norm_(clip)
     grads = _grads_now(model)
     mesh.destroy()
     return grads
 
 
+@pytest.mark.parametrize("clip", [None, 0.1])
 @pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2"])
-def test_train_steps_without_zero_grad_accumulate_the_tied_weight_once(pools, strategy):
+def test_train_steps_without_zero_grad_accumulate_the_tied_weight_once(pools, strategy, clip):
     """Two train_steps and no zero_grad: every gradient, the tied embedding/head one included, is
     the sum of the two steps' gradients. The tied weight's two copies (first and last stage) are
     summed per step; summing again what an earlier step already summed would count it twice."""
@@ -531,9 +534,11 @@ def test_train_steps_without_zero_grad_accumulate_the_tied_weight_once(pools, st
     gen = torch.Generator().manual_seed(9)
     batches = [torch.randint(0, 12, (4, 5), generator=gen) for _ in range(2)]
     ref = GPT(GPTConfig(**cfg))
-    for x in batches:
+    for i, x in enumerate(batches):
         gpt_loss(ref(x[:, :-1]), x[:, 1:]).backward()
+        if clip is not None and i == 0:
+            assert torch.nn.utils.clip_grad_norm_(ref.parameters(), clip) > clip  # it fires
     want = {n: p.grad for n, p in ref.named_parameters(remove_duplicate=False)}
-    for rank, grads in enumerate(pools.run(4, _two_train_steps, strategy, cfg, batches)):
+    for rank, grads in enumerate(pools.run(4, _two_train_steps, strategy, cfg, batches, clip)):
         for k, g in grads.items():
             torch.testing.assert_close(g, want[k], msg=lambda m: f"rank {rank} {strategy} {k}: {m}")

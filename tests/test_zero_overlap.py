@@ -208,3 +208,60 @@ def test_zero1_buckets_forget_at_zero_grad_and_accumulate_otherwise(pools, event
     for rank, got in enumerate(pools.run(world, _zero1_events, events)):
         for k, v in want.items():
             torch.testing.assert_close(got[k], v, msg=lambda m: f"rank {rank} {k} after {events!r}: {m}")
+
+
+def _nan_then_clean(ctx):
+    from minipar import MixedPrecision
+    mesh = Mesh()
+    torch.manual_seed(0)
+    model = ShardedModule(torch.nn.Linear(2, 1), mesh=mesh, strategy="zero1",  # 3 elements: padded to 4
+                          mixed_precision=MixedPrecision(param_dtype=torch.float16))
+    opt = model.build_optimizer(torch.optim.SGD, lr=0.1)
+    scaler, stepped = model.strategy.scaler, []
+    for step in range(4):
+        loss = model(torch.ones(4, 2, dtype=torch.float16).to(ctx.device)).float().mean() * scaler.scale
+        (loss * float("nan") if step == 0 else loss).backward()  # one bad batch, then clean ones
+        model.clip_grad_norm_(1.0)  # a nan norm: the coefficient is nan too
+        stepped.append(opt.step())
+        opt.zero_grad()
+    mesh.destroy()
+    return stepped
+
+
+def test_zero1_recovers_from_a_nan_step(pools):
+    """fp16: a nan gradient skips that step only. Clipping by a nan norm must not leave nan in the
+    buckets' padding, where no later gradient would overwrite it and every step would be skipped."""
+    for stepped in pools.run(2, _nan_then_clean):
+        assert stepped == [False, True, True, True], stepped
+
+
+def _module_zero_grad(ctx, strategy):
+    mesh = Mesh()
+    torch.manual_seed(0)
+    model = ShardedModule(torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)), mesh=mesh,
+                          strategy=strategy)
+    gen = torch.Generator().manual_seed(ctx.rank)
+    model(torch.randn(2, 3, generator=gen).to(ctx.device)).pow(2).sum().backward()
+    model.zero_grad()  # the module's, not the optimizer's
+    x = torch.randn(2, 3, generator=gen).to(ctx.device)
+    model(x).pow(2).sum().backward()
+    grads = model.strategy.full_grads()
+    out = {n: grads[id(p)].cpu() for n, p in model.module.named_parameters()}
+    mesh.destroy()
+    return out
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
+def test_the_modules_zero_grad_clears_the_shards_too(pools, strategy):
+    """ShardedModule.zero_grad clears what ZeRO keeps outside p.grad (ZeRO-1's buckets, the gradient
+    shards), as the optimizer's zero_grad does: the next gradient is the second backward's alone."""
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    gens = [torch.Generator().manual_seed(r) for r in range(2)]
+    for g in gens:
+        torch.randn(2, 3, generator=g)  # the first backward's input, forgotten by zero_grad
+    for g in gens:
+        (ref(torch.randn(2, 3, generator=g)).pow(2).sum() / 2).backward()
+    for rank, got in enumerate(pools.run(2, _module_zero_grad, strategy)):
+        for n, p in ref.named_parameters():
+            torch.testing.assert_close(got[n], p.grad, msg=lambda m: f"rank {rank} {strategy} {n}: {m}")

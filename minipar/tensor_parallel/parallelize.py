@@ -166,16 +166,16 @@ def parallelize(module: nn.Module, mesh: Mesh, plan: dict[str, object], sequence
 
 
 def _check_heads(module: nn.Module, targets: list[tuple[str, object]], tp: int) -> None:
-    """Attention heads must split whole over tp. A column-split projection inside a module with an
+    """Attention heads must split whole over tp. A column-split projection whose parent module has an
     integer ``head_dim`` (the attention module, as in Hugging Face's and minipar's models) whose
     output is a whole number of heads must have a number of heads tp divides: otherwise each rank
     would hold a fraction of a head, and the model would fail later in a reshape, or compute wrongly."""
     for name, style in targets:
         if style not in ("colwise", "colwise_in_region", "colwise_gather"):
             continue
-        parts = name.split(".")
-        owners = [module.get_submodule(".".join(parts[:i])) if i else module for i in range(len(parts) - 1, -1, -1)]
-        head_dim = next((m.head_dim for m in owners if isinstance(getattr(m, "head_dim", None), int)), None)
+        parent_name = name.rpartition(".")[0]
+        parent = module.get_submodule(parent_name) if parent_name else module  # the attention module, if any
+        head_dim = parent.head_dim if isinstance(getattr(parent, "head_dim", None), int) else None
         out = getattr(module.get_submodule(name), "out_features", None)
         if head_dim and out is not None and out % head_dim == 0 and (out // head_dim) % tp:
             raise ValueError(f"plan: {name!r} projects onto {out // head_dim} heads of {head_dim} (head_dim of its "
