@@ -31,7 +31,7 @@ from .fsdp import select_units
 from .recompute import check_units, checkpoint_modules, select_checkpointed
 from .pipeline import SCHEDULES, GPTStage, default_boundaries, resolve_boundaries, run_schedule, sync_tied_grads
 from .precision import FP32, MixedPrecision
-from .sharded_optim import ShardedOptimizer, ShardedState
+from .sharded_optim import ShardedOptimizer, ShardedState, optimizer_state_tensors, storage_bytes
 from .tensor_parallel import clip_grad_norm_ as tp_clip_grad_norm_, parallelize, vocab_parallel_cross_entropy
 from .zero import Zero1, Zero2
 
@@ -355,11 +355,9 @@ class ShardedModule(nn.Module):
             return self.strategy.memory_stats()
         ps = list(self.module.parameters())
         opt = self._ddp_optimizer  # DDP: the state of the optimizer build_optimizer made
-        state = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for st in
-                 (opt.state.values() if opt is not None else ()) for t in st.values() if torch.is_tensor(t)}
         return {"params": sum(p.numel() * p.element_size() for p in ps),
                 "grads": sum(b.flat.numel() * b.flat.element_size() for b in self.strategy.buckets),
-                "optimizer": sum(state.values())}
+                "optimizer": storage_bytes(optimizer_state_tensors(opt) if opt is not None else [], set())}
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -201,6 +201,24 @@ class LaunchOrder:
         self._in_flight, self._next = [], 0
 
 
+def storage_bytes(tensors, seen: set[int]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (None skipped) not already in ``seen``."""
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        key = t.untyped_storage().data_ptr()
+        if key in seen or t.untyped_storage().nbytes() == 0:
+            continue
+        seen.add(key)
+        total += t.untyped_storage().nbytes()
+    return total
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [v for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
+
+
 def make_master(shard: torch.Tensor, real_fp32: torch.Tensor, offload: bool) -> nn.Parameter:
     """The optimizer's tensor: a view of ``shard`` when it can be, else an fp32 copy (on CPU if offloaded)."""
     n = real_fp32.numel()
@@ -361,26 +379,12 @@ class ShardedState:
     def memory_stats(self) -> dict[str, int]:
         """Bytes of persistent state this rank holds: parameters, gradients, optimizer (masters + state)."""
         seen: set[int] = set()
-
-        def nbytes(ts) -> int:
-            total = 0
-            for t in ts:
-                if t is None:
-                    continue
-                key = t.untyped_storage().data_ptr()
-                if key in seen or t.untyped_storage().nbytes() == 0:
-                    continue
-                seen.add(key)
-                total += t.untyped_storage().nbytes()
-            return total
-
-        params = nbytes(self.param_tensors())
-        grads = nbytes(self.grad_tensors())
+        params = storage_bytes(self.param_tensors(), seen)
+        grads = storage_bytes(self.grad_tensors(), seen)
         opt_tensors = [g.master for g in self.groups]
         if self.optimizer is not None:
-            for st in self.optimizer.optimizer.state.values():
-                opt_tensors += [v for v in st.values() if torch.is_tensor(v)]
-        return {"params": params, "grads": grads, "optimizer": nbytes(opt_tensors)}
+            opt_tensors += optimizer_state_tensors(self.optimizer.optimizer)
+        return {"params": params, "grads": grads, "optimizer": storage_bytes(opt_tensors, seen)}
 
     def param_tensors(self) -> list[torch.Tensor]:
         return [g.shard for g in self.groups]
