@@ -80,7 +80,6 @@ from minipar.models import GPT, GPTConfig, MoEGPT, MoEGPTConfig, gpt_loss
 from minipar.models.data import markov_batch
 from minipar.moe import moe_layers
 from minipar.pipeline import RankTimeline, draw_timeline, write_trace
-from minipar.sharded_optim import ShardedState
 
 PRESETS = {
     "tiny": dict(n_layer=4, n_embd=128, n_head=4, vocab=256, seq=64),
@@ -163,11 +162,7 @@ def train_step(model: ShardedModule, opt, x: torch.Tensor, before_step=None) -> 
 def state_bytes(model: ShardedModule, opt) -> dict[str, int]:
     """The params, grads and optimizer state this rank holds (taken before an optimizer step, when the
     gradients are there: ZeRO-1 frees them after it)."""
-    mem = dict(model.memory_stats())
-    if not isinstance(model.strategy, ShardedState):  # DDP: the torch optimizer's state is not the strategy's
-        mem["optimizer"] = sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values()
-                               if torch.is_tensor(t))
-    return mem
+    return dict(model.memory_stats())  # every strategy counts the optimizer build_optimizer made
 
 
 def peak_bytes(device: torch.device) -> dict[str, int]:

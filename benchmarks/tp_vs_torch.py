@@ -96,6 +96,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import minipar
 from minipar.models import GPT, GPTConfig
+from minipar.placement import placement_of
 from minipar.tensor_parallel import parallelize, vocab_parallel_cross_entropy
 
 RATIO_LIMIT = 1.25
@@ -199,10 +200,10 @@ class MiniparSide:
         out = {}
         for n, p in self.gpt.named_parameters():
             t = p.detach()
-            if getattr(p, "tensor_parallel", False):
+            if placement_of(p).tensor_parallel:
                 parts = [torch.empty_like(t) for _ in range(self.group.size)]
                 dist.all_gather(parts, t.contiguous(), group=self.group.pg)  # not counted: not a training step
-                t = torch.cat(parts, dim=p.tensor_parallel_dim)
+                t = torch.cat(parts, dim=placement_of(p).tp_dim)
             out[n] = t
         return out
 

@@ -25,7 +25,7 @@ How a step goes:
 ``no_sync()``: hooks still accumulate into the buckets, nothing is launched;
 the first backward outside the block all-reduces the accumulated sum once.
 
-Expert parameters (``p.expert_parallel``, from `minipar.moe`) live in buckets
+Expert parameters (placed ``expert``, from `minipar.moe`) live in buckets
 of their own, all-reduced over the ``edp`` group (the ranks holding the same
 experts) but divided by the whole dp size: an expert's local gradient already
 sums what every rank of its expert-parallel group sent it.
@@ -42,7 +42,11 @@ import torch
 import torch.nn as nn
 
 from .comm import AxisGroup, Comm
+from .grad_norm import GradPiece
 from .mesh import Mesh
+from .placement import placement_of
+from .precision import LossScaler
+from .strategy import Strategy, optimizer_state_tensors, storage_bytes
 
 
 @dataclass
@@ -61,8 +65,10 @@ class Bucket:
     work: object = None
 
 
-class DataParallel:
+class DataParallel(Strategy):
     """The DDP strategy behind ``ShardedModule(..., strategy="ddp")``."""
+
+    local_accumulation = True  # no_sync accumulates in the buckets; sync_grads all-reduces the sum
 
     def __init__(self, module: nn.Module, mesh: Mesh, bucket_cap_mb: float = 25.0) -> None:
         self.module = module
@@ -74,8 +80,8 @@ class DataParallel:
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.comm.check_same("the DDP configuration (bucket_cap_mb and the module's parameters)",
                              {"bucket_cap_mb": bucket_cap_mb, "parameters": signature(named)}, self.group)
-        dense = [p for _, p in named if not getattr(p, "expert_parallel", False)]
-        experts = [p for _, p in named if getattr(p, "expert_parallel", False)]
+        dense = [p for _, p in named if not placement_of(p).expert]
+        experts = [p for _, p in named if placement_of(p).expert]
         broadcast_from_rank0(dense + list(module.buffers()), self.comm, self.group)
         self.buckets = self._build_buckets(dense[::-1], self.group, self.group.size)
         if experts:
@@ -83,7 +89,10 @@ class DataParallel:
             broadcast_from_rank0(experts, self.comm, edp)
             self.buckets += self._build_buckets(experts[::-1], edp, self.group.size, first=len(self.buckets))
         self._param_names = {p: n for n, p in named}
+        self.scaler = LossScaler(1.0, 1, enabled=False)  # fp32 only: nothing to scale
+        self.optimizer: torch.optim.Optimizer | None = None
         self._sync = True
+        self._pending = False          # a no_sync backward left gradients that are not reduced yet
         self._next_launch = 0          # buckets launch in index order, whatever order they fill
         self._callback_queued = False
         n = sum(len(b.params) for b in self.buckets)
@@ -111,6 +120,7 @@ class DataParallel:
             self._absorb(p, bucket.views[i])
             self._used[bucket.first_slot + i] = 1
             if not self._sync:
+                self._pending = True
                 return
             if not self._callback_queued:
                 self._callback_queued = True
@@ -170,6 +180,7 @@ class DataParallel:
         self._used = [0] * len(self._used)
         self._next_launch = 0
         self._callback_queued = False
+        self._pending = False
 
     # -- public ------------------------------------------------------------
 
@@ -181,6 +192,33 @@ class DataParallel:
             yield
         finally:
             self._sync = previous
+
+    def sync_grads(self) -> None:
+        """All-reduce what no_sync backwards accumulated, if anything (as a synchronising backward's end)."""
+        if self._pending:
+            self._finish_backward()
+
+    def grad_pieces(self) -> list[GradPiece]:
+        return [GradPiece(p, p.grad) for b in self.buckets for p in b.params if p.grad is not None]
+
+    def full_grads(self) -> dict[int, torch.Tensor]:
+        self.sync_grads()
+        return {id(p): p.grad for b in self.buckets for p in b.params if p.grad is not None}
+
+    def build_optimizer(self, optimizer_cls: type[torch.optim.Optimizer], **kwargs):
+        """A plain ``optimizer_cls`` over the module's parameters (memory_stats counts its state)."""
+        self.optimizer = optimizer_cls(self.module.parameters(), **kwargs)
+        return self.optimizer
+
+    def zero_grad(self) -> None:
+        self._pending = False  # the module's zero_grad dropped what no_sync accumulated
+
+    def memory_stats(self) -> dict[str, int]:
+        ps = list(self.module.parameters())
+        state = optimizer_state_tensors(self.optimizer) if self.optimizer is not None else []
+        return {"params": sum(p.numel() * p.element_size() for p in ps),
+                "grads": sum(b.flat.numel() * b.flat.element_size() for b in self.buckets),
+                "optimizer": storage_bytes(state, set())}
 
     def remove_hooks(self) -> None:
         for h in self._hooks:

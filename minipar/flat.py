@@ -89,3 +89,15 @@ class FlatLayout:
 
     def signature(self) -> tuple:
         return (self.numel, self.world, tuple(tuple(p.shape) for p in self.params))
+
+
+@dataclass
+class ShardGroup:
+    layout: FlatLayout
+    shard: torch.Tensor               # (shard_size,), compute dtype
+    master: nn.Parameter              # (real_len,), fp32, on the optimizer's device
+    grad_shard: torch.Tensor | None   # (shard_size,), reduce dtype
+
+    @property
+    def real_grad(self) -> torch.Tensor:
+        return self.grad_shard[: self.layout.real_len]

@@ -25,6 +25,14 @@ tensors see the gathered values again after the next unshard. Per step, with
 ``reshard_after_forward``, each non-root unit is all-gathered twice and every
 gradient reduce-scattered once: 1.5x the bytes of DDP's all-reduce.
 
+Under a pipeline (``local_accumulation``, set by `ShardedModule` when pp > 1)
+every micro-batch's backward runs under ``no_sync``: gradients accumulate in
+``p.grad`` and ``sync_grads`` reduce-scatters each unit once per step. With
+``reshard_after_forward=False`` (the default there) a unit gathered by the
+step's first forward stays gathered until then: one all-gather per unit per
+step. With ``True`` each micro-batch gathers a unit for its forward and again
+for its backward (2m all-gathers per step, less memory held between them).
+
 A parameter shared between units (tied weights) is placed in the root unit,
 which stays gathered through forward and backward, so every user sees it.
 Like ZeRO-1/2, a parameter without a gradient gets a zero gradient.
@@ -32,19 +40,21 @@ Like ZeRO-1/2, a parameter without a gradient gets a zero gradient.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
 from .ddp import broadcast_from_rank0, signature
-from .flat import FlatLayout
+from .flat import FlatLayout, ShardGroup
+from .grad_buckets import GradStaging, LaunchOrder
 from .mesh import Mesh
 from .precision import MixedPrecision
-from .sharded_optim import GradStaging, LaunchOrder, ShardedState, ShardGroup, make_master
+from .sharded_optim import ShardedState, make_master
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 
@@ -65,6 +75,7 @@ class Unit:
     work: Any = None                        # the all-gather in flight while GATHERING
     grads: GradStaging | None = None        # the unit's gradient on its way to the shard
     backward_started: bool = False
+    received: int = 0                       # gradients that arrived in this backward
     is_root: bool = False
 
 
@@ -92,6 +103,8 @@ class Zero3(ShardedState):
         # Reduce-scatters launch in this fixed order on every rank (backward runs units in reverse).
         self._rs_order = [u for u in reversed(self.units) if not u.is_root] + [u for u in self.units if u.is_root]
         self.order = LaunchOrder([u.grads for u in self._rs_order], self.comm, self.group)
+        self._sync = True
+        self._pending = False  # no_sync backwards left gradients in p.grad
         self._fwd_order: list[Unit] = []
         self._last_fwd_order: list[Unit] = []
         self._callback_queued = False
@@ -198,24 +211,76 @@ class Zero3(ShardedState):
             if not self._callback_queued:
                 self._callback_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-            u.grads.add(i, p.grad, self.group.size)
-            p.grad = None
-            if u.grads.complete:
+            u.received += 1
+            if self._sync:
+                u.grads.add(i, p.grad, self.group.size)
+                p.grad = None
+            else:
+                self._pending = True  # stays in p.grad until sync_grads
+            if u.received == len(u.group.layout.params):
                 self._post_backward(u)
         return hook
 
     def _post_backward(self, u: Unit) -> None:
-        if not u.is_root:
+        if not u.is_root and self._reshards_now():
             self.reshard(u)
-        self.order.launch_ready()
+        if self._sync:
+            self.order.launch_ready()
+
+    def _reshards_now(self) -> bool:
+        """Reshard after this backward? Not when no_sync keeps units gathered for the next micro-batch."""
+        return self._sync or self.reshard_after_forward
 
     @torch.no_grad()
     def _finish_backward(self) -> None:
-        self.order.finish()
+        if self._sync:
+            self.order.finish()
         for u in self._rs_order:
-            u.backward_started = False
-            self.reshard(u)
+            u.backward_started, u.received = False, 0
+            if self._reshards_now():
+                self.reshard(u)
         self._callback_queued = False
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """With ``local_accumulation``: backward leaves gradients in ``p.grad``, sends nothing, and
+        (unless ``reshard_after_forward``) keeps units gathered; ``sync_grads`` reduces them.
+        Without: changes nothing (every backward reduce-scatters into the shards)."""
+        previous = self._sync
+        self._sync = previous and not self.local_accumulation
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    @torch.no_grad()
+    def sync_grads(self) -> None:
+        """Reduce-scatter what no_sync backwards accumulated in ``p.grad``, unit by unit in the fixed
+        order, then reshard every unit."""
+        if not self._pending:
+            return
+        for u in self._rs_order:
+            for i, p in enumerate(u.group.layout.params):
+                if p.grad is not None:
+                    u.grads.add(i, p.grad, self.group.size)
+                    p.grad = None
+            self.order.launch_next()  # a parameter that got no gradient contributes zero
+        self.order.finish()
+        for u in self.units:
+            self.reshard(u)
+        self._pending = False
+
+    def zero_grad(self) -> None:
+        super().zero_grad()
+        for u in self.units:
+            for p in u.group.layout.params:
+                p.grad = None  # what no_sync accumulated is dropped too
+        self._pending = False
+
+    def spread_params(self) -> None:
+        """Full parameters are gathered from the shards at their next use: drop any gathered now."""
+        for u in self.units:
+            self.reshard(u)
 
     # -- accounting ------------------------------------------------------------------
 

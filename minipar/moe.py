@@ -45,7 +45,7 @@ stage included) without threading a second loss through the model.
 micro-batches sets it to ``1/m``. The last values are in ``layer.last_aux``
 and ``layer.last_z`` for logging.
 
-Expert parameters carry ``p.expert_parallel = True``: the data-parallel
+Expert parameters are placed ``expert=True`` (`minipar.placement`): the data-parallel
 strategy averages their gradients over the replicas of the same experts (the
 ``edp`` group) but divides by the whole data-parallel size, because each
 expert's gradient already sums the contributions of every rank of its
@@ -61,6 +61,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import regions
+from .placement import place
 from .kernels import gelu, permute, unpermute
 
 
@@ -157,7 +158,7 @@ class MoELayer(nn.Module):
         self.w2 = nn.Parameter(torch.empty(n_experts, d_hidden, d_model))
         self.b2 = nn.Parameter(torch.zeros(n_experts, d_model))
         for p in (self.w1, self.b1, self.w2, self.b2):
-            p.expert_parallel = True
+            place(p, expert=True)
         gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for p in (self.gate.weight, self.w1, self.w2):
@@ -181,9 +182,7 @@ class MoELayer(nn.Module):
         lo = ep_group.rank * n_local
         for name in ("w1", "b1", "w2", "b2"):
             full = getattr(self, name)
-            local = nn.Parameter(full.detach()[lo:lo + n_local].clone())
-            local.expert_parallel = True
-            setattr(self, name, local)
+            setattr(self, name, place(nn.Parameter(full.detach()[lo:lo + n_local].clone()), expert=True))
         self.comm, self.ep_group = comm, ep_group
         self.ep_rank, self.ep_size = ep_group.rank, ep_group.size
 

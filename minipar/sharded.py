@@ -8,15 +8,16 @@
 
 The wrapper adds no behaviour of its own to forward: arguments, keyword
 arguments and outputs of the wrapped module pass through unchanged. Each
-strategy lives in its own module (`minipar.ddp`, ...); this file only checks
-the configuration and dispatches.
+strategy lives in its own module (`minipar.ddp`, ...) and answers the
+`minipar.strategy.Strategy` protocol; this file checks the configuration,
+builds the layers (tensor parallelism, pipeline stage, experts, then the
+data-parallel strategy) and asks the strategy only through that protocol.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fnmatch
-import math
 from typing import Any, Callable, Sequence
 
 import torch
@@ -25,17 +26,30 @@ from torch.utils._pytree import tree_map
 
 from . import kernels
 from .ddp import DataParallel
+from .fsdp import Zero3, select_units
+from .grad_norm import clip_
 from .mesh import Mesh
 from .moe import check_moe_config, moe_layers, shard_experts
-from .fsdp import select_units
+from .placement import placement_of
 from .recompute import check_units, checkpoint_modules, select_checkpointed
-from .pipeline import SCHEDULES, GPTStage, default_boundaries, resolve_boundaries, run_schedule, sync_tied_grads
+from .pipeline import GPTStage, default_boundaries, resolve_boundaries
+from .pipeline.step import Pipeline
 from .precision import FP32, MixedPrecision
-from .sharded_optim import ShardedOptimizer, ShardedState, optimizer_state_tensors, storage_bytes
-from .tensor_parallel import clip_grad_norm_ as tp_clip_grad_norm_, parallelize, vocab_parallel_cross_entropy
+from .strategy import Strategy
+from .tensor_parallel import parallelize, vocab_parallel_cross_entropy
 from .zero import Zero1, Zero2
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")  # "fsdp" is another name for "zero3"
+
+
+def build_strategy(name: str, module: nn.Module, mesh: Mesh, policy: MixedPrecision, cpu_offload: bool,
+                   bucket_cap_mb: float, wrap_policy: Any, reshard_after_forward: bool) -> Strategy:
+    """The data-parallel strategy ``name`` over ``module``'s (tensor-/expert-parallel local) parameters."""
+    if name == "ddp":
+        return DataParallel(module, mesh, bucket_cap_mb=bucket_cap_mb)
+    if name in ("zero3", "fsdp"):
+        return Zero3(module, mesh, policy, cpu_offload, wrap_policy, reshard_after_forward)
+    return {"zero1": Zero1, "zero2": Zero2}[name](module, mesh, policy, cpu_offload, bucket_cap_mb)
 
 
 class ShardedModule(nn.Module):
@@ -50,7 +64,8 @@ class ShardedModule(nn.Module):
         mixed_precision: a `MixedPrecision` policy (ZeRO stages); default fp32.
         cpu_offload: keep fp32 masters and optimizer state on the CPU and step there (ZeRO stages).
         wrap_policy: how zero3 cuts the model into units (see `minipar.fsdp.select_units`).
-        reshard_after_forward: zero3 frees a unit's full parameters after its forward.
+        reshard_after_forward: zero3 frees a unit's full parameters after its forward; default True,
+            and False under a pipeline (units stay gathered across a step's micro-batches).
         tp_plan: the tensor-parallel plan; default ``module.tp_plan(tp, sequence_parallel)``.
         sequence_parallel: split activations along the sequence between tensor-parallel layers.
         schedule: the pipeline schedule when pp > 1: "1f1b" or "gpipe" (``minipar.pipeline.SCHEDULES``).
@@ -70,7 +85,7 @@ class ShardedModule(nn.Module):
 
     def __init__(self, module: nn.Module, *, mesh: Mesh | None = None, strategy: str = "ddp",
                  bucket_cap_mb: float = 25.0, mixed_precision: MixedPrecision | None = None,
-                 cpu_offload: bool = False, wrap_policy=None, reshard_after_forward: bool = True,
+                 cpu_offload: bool = False, wrap_policy=None, reshard_after_forward: bool | None = None,
                  tp_plan: dict | None = None, sequence_parallel: bool = False,
                  schedule: str = "1f1b", microbatches: int = 1, pipeline_boundaries: Sequence[int] | None = None,
                  record_timeline: bool = False, activation_checkpointing: Any = False) -> None:
@@ -92,16 +107,15 @@ class ShardedModule(nn.Module):
             raise ValueError("mixed_precision must be a minipar.MixedPrecision(param_dtype=..., reduce_dtype=...)")
         if mesh is None:
             mesh = Mesh()
+        if reshard_after_forward is None:  # a pipeline runs each unit m times per step: keep it gathered
+            reshard_after_forward = mesh.pp == 1
+        pipeline = None
         if mesh.pp > 1:
-            if schedule not in SCHEDULES:
-                raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
-            if not isinstance(microbatches, int) or microbatches < 1:
-                raise ValueError(f"microbatches={microbatches!r} must be a positive integer")
-            if strategy not in ("ddp", "zero1", "zero2") or sequence_parallel or cpu_offload:
-                raise ValueError("pipeline parallelism composes with strategy='ddp', 'zero1' or 'zero2' on the "
-                                 "data-parallel axis and tp without sequence parallelism or CPU offload, for now")
             if not hasattr(module, "config") or not hasattr(module, "layers"):
                 raise ValueError(f"pipeline stages are cut from a minipar.models.GPT; got {type(module).__name__}")
+            tp_vocab = module.wte.weight.shape[0] // mesh.tp
+            pipeline = Pipeline(mesh, schedule, microbatches, module.config.n_embd, (tp_vocab, module.config.n_embd),
+                                record_timeline, seq_divisor=mesh.tp if sequence_parallel else 1)
             boundaries = default_boundaries(module, mesh.pp) if pipeline_boundaries is None else \
                 resolve_boundaries(pipeline_boundaries, module.config.n_layer, mesh.pp)  # bad cuts -> ValueError
         experts = moe_layers(module)
@@ -136,16 +150,11 @@ class ShardedModule(nn.Module):
             else getattr(activation_checkpointing, "__qualname__", repr(activation_checkpointing))}, mesh.world)
         self.mesh = mesh
         self.strategy_name = strategy
-        self.schedule, self.microbatches = schedule, microbatches
-        self.record_timeline = record_timeline
-        self.timeline: list = []  # (action, start, end) of this stage's last step, when recorded
+        self.pipeline = pipeline
         plan = None
         if mesh.tp > 1:
             plan = tp_plan if tp_plan is not None else module.tp_plan(mesh.tp, sequence_parallel=sequence_parallel)
         if mesh.pp > 1:  # keep only this stage's pieces of the model
-            v, c = module.wte.weight.shape
-            self._tied_shape = (v // mesh.tp, c)  # this rank's piece of a tied embedding/head
-            self._hidden = module.config.n_embd
             module = GPTStage(module, mesh.pp_rank, mesh.pp, boundaries)
             if plan is not None:  # a stage has only some of the modules the plan names
                 names = [n for n, _ in module.named_modules() if n]
@@ -159,19 +168,10 @@ class ShardedModule(nn.Module):
             if activation_checkpointing is not False else []
         policy = mixed_precision or FP32
         self._cast_inputs_to = policy.param_dtype if policy.param_dtype != torch.float32 else None
-        self._ddp_optimizer: torch.optim.Optimizer | None = None
-        if strategy == "ddp":
-            self.strategy = DataParallel(self.module, mesh, bucket_cap_mb=bucket_cap_mb)
-        elif strategy == "zero1":
-            self.strategy = Zero1(self.module, mesh, policy, cpu_offload, bucket_cap_mb)
-        elif strategy == "zero2":
-            self.strategy = Zero2(self.module, mesh, policy, cpu_offload, bucket_cap_mb, local_accumulation=mesh.pp > 1)
-        else:
-            from .fsdp import Zero3
-            self.strategy = Zero3(self.module, mesh, policy, cpu_offload, wrap_policy, reshard_after_forward)
-        if mesh.pp > 1 and isinstance(self.strategy, ShardedState):  # one norm over all stages, tied copy once
-            self.strategy.pp = mesh.group("pp")
-            self.strategy.norm_skip = self.module.tied_weight() if self.module.tied and self.module.last else None
+        self.strategy = build_strategy(strategy, self.module, mesh, policy, cpu_offload, bucket_cap_mb, wrap_policy,
+                                       reshard_after_forward)
+        if pipeline is not None:  # every micro-batch accumulates locally; the step syncs once (pipeline.step)
+            self.strategy.local_accumulation = True
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._cast_inputs_to is not None:  # floating inputs meet parameters of the compute dtype
@@ -189,82 +189,28 @@ class ShardedModule(nn.Module):
 
         The global loss is the mean of the data-parallel ranks' losses: the
         loss of the global batch when every rank holds the same number of samples.
-        The optimizer step is left to the caller.
+        The optimizer step is left to the caller. Under pipeline parallelism the
+        batch is cut into micro-batches and run by the schedule (`minipar.pipeline.step`).
         """
-        if self.mesh.pp > 1:
-            return self._pipeline_step(inputs, targets, loss_fn)
+        if self.pipeline is not None:
+            return self.pipeline.step(self.module, self.strategy, inputs, targets, loss_fn)
         loss = loss_fn(self(inputs), targets)
-        scaler = getattr(self.strategy, "scaler", None)
-        (loss * scaler.scale if scaler is not None and scaler.enabled else loss).backward()
+        scaler = self.strategy.scaler
+        (loss * scaler.scale if scaler.enabled else loss).backward()
         global_loss = loss.detach().float().reshape(1).clone()
         group = self.mesh.group("dp")
         self.mesh.comm.all_reduce(global_loss, group, tag="loss")
         return global_loss.div_(group.size)[0]
 
-    def _pipeline_step(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Callable) -> torch.Tensor:
-        mesh, m = self.mesh, self.microbatches
-        if inputs.shape[0] % m:
-            raise ValueError(f"a batch of {inputs.shape[0]} does not split into microbatches={m}; "
-                             "use a batch size divisible by the micro-batch count")
-        stage = self.module
-        for layer in moe_layers(stage):  # the loss is a mean over m micro-batches; so is the auxiliary loss
-            layer.aux_scale = 1.0 / m
-        act_shape = (inputs.shape[0] // m, inputs.shape[1], self._hidden)
-        actions = SCHEDULES[self.schedule](mesh.pp, m)[mesh.pp_rank]
-        self.timeline = [] if self.record_timeline else self.timeline
-        scaler = getattr(self.strategy, "scaler", None)
-        scale = scaler.scale if scaler is not None and scaler.enabled else None
-        stage_loss = loss_fn if scale is None else (lambda out, y: loss_fn(out, y) * scale)  # fp16: scaled backward
-        # A tied gradient left from an earlier step without zero_grad was summed over the stages then
-        # (and may have been clipped or unscaled since): remember it as it is now, to sum only what is new.
-        w, zero = stage.tied_weight(), isinstance(self.strategy, (Zero1, Zero2))
-        tied_before = None
-        if w is not None and zero and self.strategy.tied_summed:
-            self.strategy.reduce_grads()
-            tied_before = self.strategy.grad_piece(w).clone()
-        elif w is not None and not zero and w.grad is not None:
-            tied_before = w.grad.clone()
-        loss, self.peak_live_activations = run_schedule(stage, actions, mesh, list(inputs.chunk(m)) if stage.first else None,
-                            list(targets.chunk(m)) if stage.last else None, stage_loss, act_shape,
-                            next(stage.parameters()).dtype, no_sync=self.strategy.no_sync,
-                            timeline=self.timeline if self.record_timeline else None)
-        if zero:  # their gradients are already in the dp shards
-            self._sync_tied_grad_shards(tied_before)
-        else:  # DDP: the averaged p.grad
-            sync_tied_grads(stage, mesh, self._tied_shape, already_summed=tied_before)
-        # Every rank reports the global loss: the last stage's, then the mean over data-parallel ranks.
-        loss = loss.float().reshape(1) if scale is None else loss.float().reshape(1) / scale
-        mesh.comm.all_reduce(loss, mesh.group("pp"), tag="loss")
-        mesh.comm.all_reduce(loss, mesh.group("dp"), tag="loss")
-        return loss.div_(mesh.dp)[0]
+    @property
+    def timeline(self) -> list:
+        """(action, start, end) of this stage's last pipeline step, when ``record_timeline``."""
+        return self.pipeline.timeline if self.pipeline is not None else []
 
-    @torch.no_grad()
-    def _sync_tied_grad_shards(self, before: torch.Tensor | None) -> None:
-        """ZeRO-1/2 reduced the gradients into shards during the last backward, cut differently on the
-        first and last stage: assemble the tied weight's reduced gradient over dp, sum it over pp
-        (middle stages add zeros), and write each rank's piece back into its shard.
-
-        ``before``: this rank's piece as the step found it, when an earlier step without zero_grad
-        since had summed it already (identical on both stages): only what came since is summed (else
-        the earlier steps would count twice)."""
-        stage, st = self.module, self.strategy
-        if not stage.tied:
-            return
-        w = stage.tied_weight()
-        if w is None:
-            full = torch.zeros(self._tied_shape, dtype=st.policy.grad_dtype, device=self.mesh.device)
-            self.mesh.comm.all_reduce(full, self.mesh.group("pp"), tag="tied_grad")
-            return
-        st.reduce_grads()
-        piece = st.grad_piece(w)
-        if before is not None:
-            piece.sub_(before)
-        full = st.full_grad_of(w)
-        self.mesh.comm.all_reduce(full, self.mesh.group("pp"), tag="tied_grad")
-        st.set_grad_of(w, full)
-        if before is not None:
-            piece.add_(before)
-        st.tied_summed = True
+    @property
+    def peak_live_activations(self) -> int:
+        """The most micro-batches whose activations this stage held at once in the last step."""
+        return self.pipeline.peak_live_activations if self.pipeline is not None else 0
 
     def build_optimizer(self, optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any):
         """The optimizer to step: ``optimizer_cls`` over the parameters this rank updates.
@@ -272,47 +218,16 @@ class ShardedModule(nn.Module):
         Under DDP a plain ``optimizer_cls`` over the module's parameters; under
         ZeRO a `ShardedOptimizer` over this rank's fp32 master shards.
         """
-        if isinstance(self.strategy, ShardedState):
-            return ShardedOptimizer(self.strategy, optimizer_cls, **kwargs)
-        self._ddp_optimizer = optimizer_cls(self.module.parameters(), **kwargs)  # memory_stats counts its state
-        return self._ddp_optimizer
+        return self.strategy.build_optimizer(optimizer_cls, **kwargs)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip gradients by their global norm (over every shard, padding excluded); returns the norm."""
-        if isinstance(self.strategy, ShardedState):
-            return self.strategy.clip_grad_norm_(max_norm, norm_type)
-        if self.mesh.pp > 1 or self.mesh.ep > 1:
-            return self._split_clip(max_norm, norm_type)
-        if self.mesh.tp > 1:  # shards summed over tp, replicated parameters counted once
-            return tp_clip_grad_norm_(self.module, self.mesh, max_norm, norm_type)
-        return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm, norm_type)
-
-    @torch.no_grad()
-    def _split_clip(self, max_norm: float, norm_type: float) -> torch.Tensor:
-        """One norm over the whole model when its parameters are split: tensor-parallel shards
-        summed over tp, experts over ep, stages over pp, replicated parameters once; the tied
-        weight, whose gradient the first and last pipeline stage share, counted once."""
-        inf = math.isinf(float(norm_type))
-        skip = self.module.tied_weight() if self.mesh.pp > 1 and self.module.last else None
-        parts = torch.zeros(3, device=self.mesh.device)  # [split over tp, split over ep, replicated]
-        for p in self.module.parameters():
-            if p.grad is None or p is skip:
-                continue
-            g = p.grad.float().abs()
-            i = 0 if getattr(p, "tensor_parallel", False) else 1 if getattr(p, "expert_parallel", False) else 2
-            parts[i] = torch.maximum(parts[i], g.max()) if inf else parts[i] + g.pow(norm_type).sum()
-        op = "max" if inf else "sum"
-        split = parts[:2].clone()
-        self.mesh.comm.all_reduce(split[:1], self.mesh.group("tp"), op=op, tag="grad_norm")
-        self.mesh.comm.all_reduce(split[1:], self.mesh.group("ep"), op=op, tag="grad_norm")
-        local = split.max().reshape(1).maximum(parts[2:]) if inf else split.sum().reshape(1) + parts[2:]
-        self.mesh.comm.all_reduce(local, self.mesh.group("pp"), op=op, tag="grad_norm")
-        total = local[0] if inf else local[0].pow(1.0 / norm_type)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for p in self.module.parameters():
-            if p.grad is not None:
-                p.grad.mul_(coef)
-        return total
+        """Clip gradients by the norm of the whole model's gradient (`minipar.grad_norm`: every shard,
+        padding excluded, tensor-parallel and expert pieces summed, stages summed, the tied weight
+        once); returns that norm, equal on every rank."""
+        self.strategy.unscale_()  # reduced and, in fp16, the loss scale divided out
+        last_tied_copy = self.module.tied_weight() if self.pipeline is not None and self.module.last \
+            and not self.module.first else None
+        return clip_(self.strategy.grad_pieces(), self.mesh, max_norm, norm_type, skip=last_tied_copy)
 
     def cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
                       label_smoothing: float = 0.0) -> torch.Tensor:
@@ -343,38 +258,32 @@ class ShardedModule(nn.Module):
         return {"aux": aux / n, "z": z / n, "dropped": int(dropped)} if n else {}
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """``nn.Module.zero_grad``, and under ZeRO also what the optimizer's ``zero_grad`` clears: the
-        gradient shards and ZeRO-1's buckets, which hold the gradients outside ``p.grad``."""
+        """``nn.Module.zero_grad``, and what the strategy keeps outside ``p.grad`` (ZeRO's gradient
+        shards and ZeRO-1's buckets)."""
         super().zero_grad(set_to_none)
-        if isinstance(self.strategy, ShardedState):
-            self.strategy.zero_grad()
+        self.strategy.zero_grad()
 
     def memory_stats(self) -> dict[str, int]:
         """{"params", "grads", "optimizer"}: bytes of persistent state this rank holds (no transient buffers)."""
-        if isinstance(self.strategy, ShardedState):
-            return self.strategy.memory_stats()
-        ps = list(self.module.parameters())
-        opt = self._ddp_optimizer  # DDP: the state of the optimizer build_optimizer made
-        return {"params": sum(p.numel() * p.element_size() for p in ps),
-                "grads": sum(b.flat.numel() * b.flat.element_size() for b in self.strategy.buckets),
-                "optimizer": storage_bytes(optimizer_state_tensors(opt) if opt is not None else [], set())}
+        return self.strategy.memory_stats()
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The wrapped module's state dict with full tensors (fp32 masters under ZeRO, tensor-parallel
         shards gathered), on every rank, under the original module's names."""
-        full = self.strategy.full_params() if isinstance(self.strategy, ShardedState) else {}
+        full = self.strategy.full_params()
         out = {}
         for k, v in self.module.state_dict(keep_vars=True).items():
             t = (full[id(v)] if id(v) in full else v.detach()).clone()
-            if getattr(v, "expert_parallel", False) and self.mesh.ep > 1:  # experts split over ep, dim 0
+            where = placement_of(v)
+            if where.expert and self.mesh.ep > 1:  # experts split over ep, dim 0
                 parts = torch.empty((self.mesh.ep,) + tuple(t.shape), dtype=t.dtype, device=t.device)
                 self.mesh.comm.all_gather(parts, t.unsqueeze(0), self.mesh.group("ep"), tag="state_dict")
                 t = torch.cat(parts.unbind(0), dim=0)
-            if getattr(v, "tensor_parallel", False) and self.mesh.tp > 1:
+            if where.tensor_parallel and self.mesh.tp > 1:
                 parts = torch.empty((self.mesh.tp,) + tuple(t.shape), dtype=t.dtype, device=t.device)
                 self.mesh.comm.all_gather(parts, t.unsqueeze(0), self.mesh.group("tp"), tag="state_dict")
-                t = torch.cat(parts.unbind(0), dim=v.tensor_parallel_dim)
+                t = torch.cat(parts.unbind(0), dim=where.tp_dim)
             out[k] = t
         if self.mesh.pp > 1:  # every stage's pieces, under the single-process names
             stages = self.mesh.comm.all_gather_object(self.module.global_names(out), self.mesh.group("pp"),

@@ -1,4 +1,5 @@
-"""What every ZeRO stage shares: fp32 master shards, the step on them, clipping, loss scaling.
+"""What every ZeRO stage shares: fp32 master shards, the step on them, loss scaling, and its answers
+to the `minipar.strategy.Strategy` protocol (gradient pieces for the one norm, the optimizer, state).
 
 A stage (``minipar.zero`` for 1 and 2, ``minipar.fsdp`` for 3) cuts the
 parameters into flat groups (`minipar.flat.FlatLayout`) and hands this module
@@ -22,8 +23,6 @@ stage spread the new parameters (stages 1 and 2 all-gather them).
 from __future__ import annotations
 
 import contextlib
-import math
-from dataclasses import dataclass
 from typing import Iterator
 
 import torch
@@ -31,192 +30,12 @@ import torch.nn as nn
 
 from . import kernels
 from .comm import AxisGroup, Comm
-from .flat import FlatLayout
+from .flat import ShardGroup
+from .grad_norm import GradPiece
 from .precision import LossScaler, MixedPrecision
+from .strategy import Strategy, optimizer_state_tensors, storage_bytes
 
 OFFLOAD_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
-
-
-@dataclass
-class ShardGroup:
-    layout: FlatLayout
-    shard: torch.Tensor               # (shard_size,), compute dtype
-    master: nn.Parameter              # (real_len,), fp32, on the optimizer's device
-    grad_shard: torch.Tensor | None   # (shard_size,), reduce dtype
-
-    @property
-    def real_grad(self) -> torch.Tensor:
-        return self.grad_shard[: self.layout.real_len]
-
-
-class StagingPool:
-    """Recycles staging buffers between groups and steps, keeping at most ``keep`` free ones.
-
-    A staging buffer is needed only from a group's first gradient until its
-    reduce-scatter lands, and `LaunchOrder` keeps few alive at once. Allocating
-    each afresh costs, on a CPU, page faults over the whole buffer at every
-    step (large allocations are mapped and unmapped again); a GPU's caching
-    allocator recycles them anyway, and this does the same everywhere. The
-    free buffers are a bounded cache (``keep`` times the largest group), not
-    model state: ``memory_stats`` does not count them.
-    """
-
-    def __init__(self, keep: int = 3) -> None:
-        self.keep = keep
-        self._free: list[torch.Tensor] = []
-
-    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A buffer of at least ``numel`` elements (the smallest free one that fits), contents undefined."""
-        fits = [i for i, t in enumerate(self._free) if t.numel() >= numel and t.dtype == dtype and t.device == device]
-        if fits:
-            return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
-        return torch.empty(numel, dtype=dtype, device=device)
-
-    def give(self, buffer: torch.Tensor) -> None:
-        """Return a buffer ``take`` gave out."""
-        self._free.append(buffer)
-        if len(self._free) > self.keep:  # drop the smallest: the largest fit the most groups
-            self._free.pop(min(range(len(self._free)), key=lambda i: self._free[i].numel()))
-
-
-def claim(ready: list[bool], i: int) -> None:
-    """Mark parameter ``i``'s gradient as received in this backward; a second one is an error."""
-    if ready[i]:
-        raise RuntimeError("a parameter received its gradient twice in one backward; ZeRO reduce-scatters "
-                           "each gradient once per backward")
-    ready[i] = True
-
-
-def divide_into(view: torch.Tensor, grad: torch.Tensor, divisor: int) -> None:
-    """view <- grad / divisor, in one pass when the dtypes agree; else cast first and divide in the
-    view's (reduce) dtype, not in the gradient's lower one."""
-    if grad.dtype == view.dtype:
-        torch.div(grad, divisor, out=view)
-    else:
-        view.copy_(grad).div_(divisor)
-
-
-class GradStaging:
-    """One group's full local gradient, from its first piece until its reduce-scatter lands in the shard.
-
-    ZeRO-1/2 keep one per bucket, ZeRO-3 one per unit. A staging buffer exists
-    only between the first ``add`` and ``land`` (taken from and given back to
-    ``pool`` when the owner sets one).
-    """
-
-    def __init__(self, group: ShardGroup, dtype: torch.dtype) -> None:
-        self.group, self.dtype = group, dtype
-        self.pool: StagingPool | None = None
-        self.ready = [False] * len(group.layout.params)
-        self._base: torch.Tensor | None = None  # the buffer taken, of which _flat is the first padded elements
-        self._flat: torch.Tensor | None = None
-        self._views: list[torch.Tensor] = []
-        self._out: torch.Tensor | None = None
-        self._work = None
-
-    @property
-    def complete(self) -> bool:
-        return all(self.ready)
-
-    def _buffer(self) -> torch.Tensor:
-        if self._flat is None:  # contents undefined until added, or zeroed at launch
-            n, device = self.group.layout.padded, self.group.shard.device
-            self._base = self.pool.take(n, self.dtype, device) if self.pool is not None else \
-                torch.empty(n, dtype=self.dtype, device=device)
-            self._flat = self._base[:n]
-            self._views = self.group.layout.views(self._flat)
-        return self._flat
-
-    def add(self, i: int, grad: torch.Tensor, divisor: int) -> None:
-        """Stage ``grad / divisor`` (the sum over ranks of grad / N is the mean): one pass over it."""
-        claim(self.ready, i)
-        self._buffer()
-        divide_into(self._views[i], grad, divisor)
-
-    def launch(self, comm: Comm, axis: AxisGroup) -> None:
-        flat = self._buffer()
-        for view, ready in zip(self._views, self.ready):
-            if not ready:
-                view.zero_()  # a parameter that got no gradient contributes zero
-        flat[self.group.layout.numel:].zero_()  # and so does the padding
-        self._out = torch.empty(self.group.layout.shard_size, dtype=flat.dtype, device=flat.device)
-        # the staging buffer is ours and dropped at land: it may be reduced in place
-        self._work = comm.reduce_scatter(self._out, flat, axis, async_op=True, tag="grad", input_is_scratch=True)
-
-    def land(self) -> None:
-        """Wait for the reduce-scatter and add its result into the gradient shard (accumulating over
-        backwards until zero_grad)."""
-        self._work.wait()
-        self.group.grad_shard += self._out
-        if self.pool is not None:
-            self.pool.give(self._base)
-        self._base, self._flat, self._views, self._out, self._work = None, None, [], None, None
-        self.ready = [False] * len(self.ready)
-
-
-class LaunchOrder:
-    """Reduce-scatters for a list of `GradStaging` (or ZeRO-1's `FullGrads`), launched in that
-    fixed order on every rank.
-
-    Backward completes groups in an order that can differ between ranks (and a
-    group whose parameters got no gradient never completes), so a group is
-    launched only when it and every group before it are complete; the rest go
-    at the end of backward. The oldest launched group lands (waits, adds into
-    its shard, frees its staging buffer) as soon as more than ``window`` are in
-    flight: the full-size staging buffers alive at once stay bounded by the
-    window plus the groups still filling, never the whole gradient.
-    """
-
-    def __init__(self, stagings: list[GradStaging], comm: Comm, axis: AxisGroup, window: int = 2) -> None:
-        self.stagings, self.comm, self.axis = stagings, comm, axis
-        self.window = window
-        self.pool = StagingPool(keep=window + 1)
-        for staging in stagings:
-            staging.pool = self.pool
-        self._next = 0
-        self._in_flight: list[GradStaging] = []
-
-    def unlaunched(self) -> list[GradStaging]:
-        """The stagings not launched yet in this backward."""
-        return self.stagings[self._next:]
-
-    def launch_ready(self) -> None:
-        while self._next < len(self.stagings) and self.stagings[self._next].complete:
-            self._launch_next()
-
-    def _launch_next(self) -> None:
-        staging = self.stagings[self._next]
-        staging.launch(self.comm, self.axis)
-        self._in_flight.append(staging)
-        self._next += 1
-        while len(self._in_flight) > self.window:
-            self._in_flight.pop(0).land()
-
-    def finish(self) -> None:
-        """End of backward: launch what is left (missing gradients count as zero) and land everything."""
-        while self._next < len(self.stagings):
-            self._launch_next()
-        for staging in self._in_flight:
-            staging.land()
-        self._in_flight, self._next = [], 0
-
-
-def storage_bytes(tensors, seen: set[int]) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (None skipped) not already in ``seen``."""
-    total = 0
-    for t in tensors:
-        if t is None:
-            continue
-        key = t.untyped_storage().data_ptr()
-        if key in seen or t.untyped_storage().nbytes() == 0:
-            continue
-        seen.add(key)
-        total += t.untyped_storage().nbytes()
-    return total
-
-
-def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [v for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
 
 
 def make_master(shard: torch.Tensor, real_fp32: torch.Tensor, offload: bool) -> nn.Parameter:
@@ -227,10 +46,11 @@ def make_master(shard: torch.Tensor, real_fp32: torch.Tensor, offload: bool) -> 
     return nn.Parameter(real_fp32.detach().to("cpu" if offload else shard.device, torch.float32, copy=True))
 
 
-class ShardedState:
+class ShardedState(Strategy):
     """Base of the ZeRO stages: the groups, the loss scale, and the optimizer-facing steps."""
 
     stage: int
+    local_accumulation = False  # no_sync accumulates in p.grad (stage 1; 2 and 3 under a pipeline)
 
     def __init__(self, comm: Comm, group: AxisGroup, world: AxisGroup, tp: AxisGroup, policy: MixedPrecision,
                  offload: bool) -> None:
@@ -238,21 +58,15 @@ class ShardedState:
         self.policy, self.offload = policy, offload
         self.scaler = LossScaler(policy.init_scale, policy.growth_interval, policy.uses_loss_scaling)
         self.groups: list[ShardGroup] = []
-        # Under pipeline parallelism (set by ShardedModule): the norm is summed over the stages, and
-        # the tied weight, whose gradient the first and last stage share, is counted on one of them.
-        self.pp: AxisGroup | None = None
-        self.norm_skip: nn.Parameter | None = None
-        # A pipeline step summed the tied weight's gradient over the stages since zero_grad: the next
-        # step must sum only what it adds (see ShardedModule._pipeline_step).
-        self.tied_summed = False
         self.optimizer: ShardedOptimizer | None = None
         self._unscaled = False
         self._found_inf = False
         self._shards_written = False  # the fused step wrote the compute shards already
 
     # Stages override these two.
-    def reduce_grads(self) -> None:
-        """Make every group's grad_shard hold the reduced gradient (stage 1 communicates here)."""
+    def sync_grads(self) -> None:
+        """Make every group's grad_shard hold the reduced gradient of every backward so far
+        (a stage with local accumulation communicates here)."""
 
     def spread_params(self) -> None:
         """After the masters were written into the shards: make full parameters current (stages 1, 2)."""
@@ -273,7 +87,7 @@ class ShardedState:
     def unscale_(self) -> bool:
         """Reduce, divide out the loss scale, and agree on overflow across every rank. Idempotent per step."""
         if not self._unscaled:
-            self.reduce_grads()
+            self.sync_grads()
             found = torch.zeros(1, device=self.groups[0].shard.device)
             if self.scaler.enabled:
                 for g in self.groups:  # one pass: divide out the scale, flag inf/nan (padding is zero)
@@ -284,37 +98,12 @@ class ShardedState:
             self._unscaled = True
         return self._found_inf
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip by the norm of the whole (unsharded, unpadded) gradient; returns that norm on every rank.
-
-        Under tensor parallelism the pieces of tp-sharded parameters are summed
-        over tp as well, replicated parameters counted once; under pipeline
-        parallelism over the stages, ``norm_skip`` (the last stage's copy of a
-        tied weight) left out.
-        """
-        self.unscale_()
-        inf = math.isinf(float(norm_type))
-        device = self.groups[0].shard.device
-        parts = torch.zeros(2, dtype=torch.float32, device=device)  # [tp-sharded, tp-replicated]
-        for g in self.groups:
-            for p, a, b in g.layout.local_pieces():
-                if p is self.norm_skip:
-                    continue
-                piece = g.grad_shard[a:b].float().abs()
-                i = 0 if getattr(p, "tensor_parallel", False) else 1
-                parts[i] = torch.maximum(parts[i], piece.max()) if inf else parts[i] + piece.pow(norm_type).sum()
-        op = "max" if inf else "sum"
-        self.comm.all_reduce(parts, self.group, op=op, tag="grad_norm")
-        sharded = parts[:1].clone()
-        self.comm.all_reduce(sharded, self.tp, op=op, tag="grad_norm")
-        local = torch.maximum(sharded, parts[1:]) if inf else sharded + parts[1:]
-        if self.pp is not None:
-            self.comm.all_reduce(local, self.pp, op=op, tag="grad_norm")
-        total = local[0] if inf else local[0].pow(1.0 / norm_type)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # as torch.nn.utils.clip_grad_norm_
-        for g in self.groups:
-            g.real_grad.mul_(coef.to(g.grad_shard.dtype))  # not the padding: a nan norm must not stick there
-        return total
+    def grad_pieces(self) -> list[GradPiece]:
+        """This rank's slice of each parameter's reduced gradient (views into the gradient shards,
+        padding excluded), a shard over the data-parallel axis."""
+        self.sync_grads()
+        return [GradPiece(p, g.grad_shard[a:b], self.group.name) for g in self.groups
+                for p, a, b in g.layout.local_pieces()]
 
     # -- the step --------------------------------------------------------------
 
@@ -372,7 +161,18 @@ class ShardedState:
             if g.grad_shard is not None:
                 g.grad_shard.zero_()
         self._unscaled = False
-        self.tied_summed = False
+
+    def build_optimizer(self, optimizer_cls: type[torch.optim.Optimizer], **kwargs) -> "ShardedOptimizer":
+        return ShardedOptimizer(self, optimizer_cls, **kwargs)
+
+    @torch.no_grad()
+    def refresh_params(self) -> None:
+        """The compute-dtype shards follow the fp32 masters (as after a step); then the stage makes
+        full parameters current."""
+        for g in self.groups:
+            if g.master.data_ptr() != g.shard.data_ptr():
+                g.shard[:g.layout.real_len].copy_(g.master)
+        self.spread_params()
 
     # -- accounting ------------------------------------------------------------
 
@@ -395,7 +195,7 @@ class ShardedState:
 
     def full_grads(self) -> dict[int, torch.Tensor]:
         """{id(parameter): its full reduced gradient in fp32} (before the step; for tests and debugging)."""
-        self.reduce_grads()
+        self.sync_grads()
         return self._gather([g.real_grad for g in self.groups])
 
     @torch.no_grad()

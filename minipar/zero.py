@@ -29,7 +29,7 @@ buffers are freed (`LaunchOrder`). Only the gradient shards persist, and they
 accumulate over backwards until ``zero_grad``; since nothing else is kept,
 every backward communicates, also inside ``no_sync``. Under pipeline
 parallelism (``local_accumulation``) ``no_sync`` acts as ZeRO-1's: the
-micro-batches accumulate in ``p.grad`` and the last one reduce-scatters once.
+micro-batches accumulate in ``p.grad`` and ``sync_grads`` reduce-scatters once.
 
 Per step both move what DDP moves: a reduce-scatter plus an all-gather of the
 parameters is one all-reduce's worth of bytes on the wire.
@@ -48,11 +48,12 @@ import torch
 import torch.nn as nn
 
 from .ddp import broadcast_from_rank0, bucket_params, signature
-from .flat import FlatLayout
+from .flat import FlatLayout, ShardGroup
+from .grad_buckets import GradStaging, LaunchOrder, claim, divide_into
 from .mesh import Mesh
 from .precision import MixedPrecision
 from .comm import AxisGroup, Comm
-from .sharded_optim import GradStaging, LaunchOrder, ShardedState, ShardGroup, claim, divide_into, make_master
+from .sharded_optim import ShardedState, make_master
 
 
 class _BucketedShards(ShardedState):
@@ -60,7 +61,6 @@ class _BucketedShards(ShardedState):
     buckets reduce-scattered in one fixed order during backward, shards all-gathered after the step."""
 
     stage: int
-    local_accumulation: bool  # no_sync accumulates in p.grad and sends nothing (stage 1; stage 2 under pp)
 
     def __init__(self, module: nn.Module, mesh: Mesh, policy: MixedPrecision, offload: bool,
                  bucket_cap_mb: float) -> None:
@@ -107,7 +107,7 @@ class _BucketedShards(ShardedState):
                     p.grad = None
 
     @torch.no_grad()
-    def reduce_grads(self) -> None:
+    def sync_grads(self) -> None:
         if self._shards_current:
             return
         self._add_unreported_grads()  # the step came after a no_sync backward (or none): reduce now
@@ -131,37 +131,6 @@ class _BucketedShards(ShardedState):
         self._add_unreported_grads()
         self.order.finish()
         self._callback_queued = False
-
-    @torch.no_grad()
-    def full_grad_of(self, param: nn.Parameter) -> torch.Tensor:
-        """``param``'s whole reduced gradient, assembled from the ranks' shards (an all-reduce over dp
-        of disjoint pieces). For the tied weight, whose gradient two pipeline stages must sum."""
-        self.reduce_grads()
-        g, (p_lo, p_hi), (a, b) = self._piece_of(param)
-        full = torch.zeros(param.numel(), dtype=g.grad_shard.dtype, device=g.grad_shard.device)
-        if a < b:
-            full[a - p_lo:b - p_lo] = g.grad_shard[a - g.layout.lo:b - g.layout.lo]
-        self.comm.all_reduce(full, self.group, tag="tied_grad")
-        return full.view_as(param)
-
-    @torch.no_grad()
-    def set_grad_of(self, param: nn.Parameter, full: torch.Tensor) -> None:
-        """Overwrite this rank's piece of ``param``'s gradient shard from the whole gradient ``full``."""
-        g, (p_lo, _), (a, b) = self._piece_of(param)
-        if a < b:
-            g.grad_shard[a - g.layout.lo:b - g.layout.lo] = full.reshape(-1)[a - p_lo:b - p_lo]
-
-    def grad_piece(self, param: nn.Parameter) -> torch.Tensor:
-        """The view of this rank's gradient shard that holds ``param``'s piece (empty if none)."""
-        g, _, (a, b) = self._piece_of(param)
-        return g.grad_shard[a - g.layout.lo:max(a, b) - g.layout.lo]
-
-    def _piece_of(self, param: nn.Parameter):
-        for g in self.groups:
-            if any(p is param for p in g.layout.params):
-                p_lo, p_hi = g.layout.span(param)
-                return g, (p_lo, p_hi), (max(p_lo, g.layout.lo), min(p_hi, g.layout.lo + g.layout.real_len))
-        raise KeyError(f"parameter not managed by this ZeRO-{self.stage} state")
 
     def _make_buckets(self) -> list:
         raise NotImplementedError
@@ -283,14 +252,13 @@ class Zero1(_BucketedShards):
 
     def zero_grad(self) -> None:
         # No pass over memory: the buckets become "fresh" (the next gradients overwrite them), and
-        # nothing reads a shard before reduce_grads has filled it again.
+        # nothing reads a shard before sync_grads has filled it again.
         for b in self.buckets:
             b.reset()
             b.group.master.grad = None
             for p in b.group.layout.params:
                 p.grad = None
         self._shards_current = self._unscaled = False
-        self.tied_summed = False
 
     def grad_tensors(self) -> list[torch.Tensor]:
         return [p.grad for g in self.groups for p in g.layout.params] + [b.flat for b in self.buckets]
@@ -302,11 +270,7 @@ class Zero2(_BucketedShards):
     stage = 2
 
     def __init__(self, module: nn.Module, mesh: Mesh, policy: MixedPrecision, offload: bool,
-                 bucket_cap_mb: float = 25.0, local_accumulation: bool = False) -> None:
-        # local_accumulation (ShardedModule sets it under pipeline parallelism, where every micro-batch
-        # but the last runs under no_sync): hold the local gradient in p.grad during the step, as
-        # ZeRO-1 and DDP do, and reduce-scatter once, after the last micro-batch, instead of m times.
-        self.local_accumulation = local_accumulation
+                 bucket_cap_mb: float = 25.0) -> None:
         self._shards_current = True  # the shards hold every gradient (nothing waits in p.grad)
         super().__init__(module, mesh, policy, offload, bucket_cap_mb)
 

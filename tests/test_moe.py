@@ -13,6 +13,7 @@ from hypothesis import example, given, strategies as st
 
 from minipar import Mesh, ShardedModule
 from minipar.moe import MoELayer, capacity, route
+from minipar.placement import placement_of
 from minipar.models import MoEGPT, MoEGPTConfig, gpt_loss
 
 from helpers import LR, WD
@@ -117,7 +118,7 @@ def _full_grads(model, mesh):
     out = {}
     for name, p in model.module.named_parameters():
         g = p.grad.detach().clone()
-        if getattr(p, "expert_parallel", False) and mesh.ep > 1:
+        if placement_of(p).expert and mesh.ep > 1:
             parts = torch.empty((mesh.ep,) + tuple(g.shape))
             mesh.comm.all_gather(parts, g.unsqueeze(0), mesh.group("ep"))
             g = torch.cat(parts.unbind(0))

@@ -25,9 +25,9 @@ from hypothesis import example, given, strategies as st
 
 from minipar import Mesh, ShardedModule
 from minipar.models import GPT, GPTConfig, gpt_loss
+from minipar.placement import placement_of
 from minipar.pipeline.stage import GPTStage, balanced_boundaries, default_boundaries, resolve_boundaries, \
     stage_params
-from minipar.sharded_optim import ShardedState
 
 from helpers import EPS, LR, WD, accumulated_step
 from test_zero import PRECISIONS, _train_reference
@@ -127,25 +127,23 @@ def _stage_full(model: ShardedModule, value_of) -> dict[str, torch.Tensor]:
     out = {}
     for name, p in model.module.named_parameters():
         t = value_of(p).detach()
-        if getattr(p, "tensor_parallel", False) and mesh.tp > 1:
+        if placement_of(p).tensor_parallel and mesh.tp > 1:
             parts = torch.empty((mesh.tp,) + tuple(t.shape), dtype=t.dtype, device=t.device)
             mesh.comm.all_gather(parts, t.unsqueeze(0), mesh.group("tp"), tag="test")
-            t = torch.cat(parts.unbind(0), dim=p.tensor_parallel_dim)
+            t = torch.cat(parts.unbind(0), dim=placement_of(p).tp_dim)
         out[name] = t.float().cpu()
     return model.module.global_names(out)
 
 
 def _grads_now(model: ShardedModule) -> dict[str, torch.Tensor]:
     """This stage's reduced gradients (DDP: p.grad; ZeRO: the shards gathered over dp)."""
-    if isinstance(model.strategy, ShardedState):
-        full = model.strategy.full_grads()
-        return _stage_full(model, lambda p: full[id(p)])
-    return _stage_full(model, lambda p: p.grad)
+    full = model.strategy.full_grads()
+    return _stage_full(model, lambda p: full[id(p)])
 
 
 def _params_now(model: ShardedModule) -> dict[str, torch.Tensor]:
     """This stage's parameters as stepped (ZeRO: the fp32 masters gathered over dp)."""
-    full = model.strategy.full_params() if isinstance(model.strategy, ShardedState) else {}
+    full = model.strategy.full_params()
     return _stage_full(model, lambda p: full.get(id(p), p))
 
 
@@ -394,13 +392,13 @@ def test_bad_pipeline_configurations_raise(pools, kwargs, layout, match, where):
 
 # -- pipeline x ZeRO-1/2, and dp x tp x pp -------------------------------------------------------
 
-def _train_pp_sharded(ctx, layout, strategy, precision, cfg, data, schedule, max_norm):
+def _train_pp_sharded(ctx, layout, strategy, precision, cfg, data, schedule, max_norm, options=None):
     """data: (steps, m, global micro-batch, seq + 1): this rank's micro-batches, one after another,
-    which the pipeline cuts back apart in order."""
+    which the pipeline cuts back apart in order. options: more ShardedModule keyword arguments."""
     mesh = Mesh(**layout)
     m, local = data.shape[1], data.shape[2] // mesh.dp
     model = ShardedModule(GPT(GPTConfig(**cfg)), mesh=mesh, strategy=strategy, schedule=schedule, microbatches=m,
-                          mixed_precision=PRECISIONS[precision], bucket_cap_mb=1e-3)
+                          mixed_precision=PRECISIONS[precision], bucket_cap_mb=1e-3, **(options or {}))
     steps = [data[s, :, mesh.dp_rank * local:(mesh.dp_rank + 1) * local].flatten(0, 1).to(ctx.device)
              for s in range(data.shape[0])]
     out = _report(model, *_train(model, steps, max_norm))
@@ -408,7 +406,7 @@ def _train_pp_sharded(ctx, layout, strategy, precision, cfg, data, schedule, max
     return out
 
 
-def _check_pp_sharded(pools, world, layout, strategy, precision, schedule, m, tie, seed):
+def _check_pp_sharded(pools, world, layout, strategy, precision, schedule, m, tie, seed, options=None):
     dp = layout.get("dp", 1)
     cfg = dict(vocab_size=12, block_size=4, n_layer=4, n_head=2, n_embd=8, tie_weights=tie, seed=seed)
     data = torch.randint(0, 12, (3, m, dp * 2, 5), generator=torch.Generator().manual_seed(seed + 1))
@@ -420,7 +418,7 @@ def _check_pp_sharded(pools, world, layout, strategy, precision, schedule, m, ti
         ref_grads["lm_head.weight"] = ref_grads["wte.weight"]
     assert max(ref_norms) > 0.05, "clipping must fire for the norm to matter"
     tol = {} if precision == "fp32" else dict(rtol=1.6e-2, atol=1e-5)  # the defaults for fp32 / bf16
-    results = pools.run(world, _train_pp_sharded, layout, strategy, precision, cfg, data, schedule, 0.05)
+    results = pools.run(world, _train_pp_sharded, layout, strategy, precision, cfg, data, schedule, 0.05, options)
     _assert_equal_to_reference(results, (ref_losses, ref_norms, ref_grads, ref_state), tol)
     _assert_tied_copies_identical(results, tie)
 
@@ -431,23 +429,43 @@ def pp_zero_cases(draw):
     tie = draw(st.booleans())
     # bf16 is drawn only where the reference emulates every rounding: see the test's docstring.
     exact_bf16 = layout != "pp2xtp2" and not tie
-    return dict(strategy=draw(st.sampled_from(["zero1", "zero2"])), layout=layout, tie=tie,
+    strategy = draw(st.sampled_from(["zero1", "zero2", "zero3"]))
+    options = dict(cpu_offload=draw(st.booleans()))
+    if strategy == "zero3":
+        options["reshard_after_forward"] = draw(st.booleans())
+    if layout == "pp2xtp2":
+        options["sequence_parallel"] = draw(st.booleans())
+    return dict(strategy=strategy, layout=layout, tie=tie,
                 precision=draw(st.sampled_from(["fp32", "bf16"] if exact_bf16 else ["fp32"])),
                 schedule=draw(st.sampled_from(["gpipe", "1f1b"])), m=draw(st.integers(1, 4)),
-                seed=draw(st.integers(0, 2**16)))
+                seed=draw(st.integers(0, 2**16)), options=options)
 
 
-@example(case=dict(strategy="zero2", layout="pp2xdp2", precision="fp32", schedule="1f1b", m=3, tie=True, seed=3))
-@example(case=dict(strategy="zero1", layout="pp2xdp2", precision="bf16", schedule="gpipe", m=2, tie=False, seed=4))
-@example(case=dict(strategy="zero2", layout="pp4", precision="bf16", schedule="1f1b", m=4, tie=False, seed=5))
-@example(case=dict(strategy="zero1", layout="pp2xtp2", precision="fp32", schedule="gpipe", m=2, tie=True, seed=4))
+@example(case=dict(strategy="zero2", layout="pp2xdp2", precision="fp32", schedule="1f1b", m=3, tie=True, seed=3,
+                   options={}))
+@example(case=dict(strategy="zero1", layout="pp2xdp2", precision="bf16", schedule="gpipe", m=2, tie=False, seed=4,
+                   options={"cpu_offload": True}))
+@example(case=dict(strategy="zero2", layout="pp4", precision="bf16", schedule="1f1b", m=4, tie=False, seed=5,
+                   options={}))
+@example(case=dict(strategy="zero1", layout="pp2xtp2", precision="fp32", schedule="gpipe", m=2, tie=True, seed=4,
+                   options={"sequence_parallel": True}))
+@example(case=dict(strategy="zero3", layout="pp2xdp2", precision="fp32", schedule="1f1b", m=3, tie=True, seed=6,
+                   options={}))
+@example(case=dict(strategy="zero3", layout="pp2xdp2", precision="bf16", schedule="gpipe", m=2, tie=False, seed=7,
+                   options={"reshard_after_forward": True, "cpu_offload": True}))
+@example(case=dict(strategy="zero3", layout="pp2xtp2", precision="fp32", schedule="1f1b", m=2, tie=True, seed=8,
+                   options={"sequence_parallel": True, "reshard_after_forward": True}))
+@example(case=dict(strategy="zero3", layout="pp4", precision="bf16", schedule="1f1b", m=4, tie=False, seed=9,
+                   options={"cpu_offload": True}))
 @given(case=pp_zero_cases())
 def test_pipeline_with_zero_equals_single_process(pools, case):
-    """ZeRO-1 and ZeRO-2 on the data-parallel axis of a pipeline (with tp or dp beside it), fp32 or
-    bf16 compute: losses, the one gradient norm over all stages (tied weight once), the gradients
-    before the last step and the parameters after three clipped AdamW steps equal the reference,
-    the tied weight's gradient summed across the first and last stage (at the shard level), its two
-    fp32 masters bitwise identical.
+    """ZeRO-1, ZeRO-2 and ZeRO-3 on the data-parallel axis of a pipeline (with tp, sequence parallel
+    or not, or dp beside it), with or without CPU offload, ZeRO-3 keeping its units gathered across
+    the micro-batches or resharding after each, fp32 or bf16 compute: losses, the one gradient norm
+    over all stages (tied weight once), the gradients before the last step and the parameters after
+    three clipped AdamW steps equal the reference, the tied weight's local gradient summed across
+    the first and last stage before the data-parallel reduction, its two fp32 masters bitwise
+    identical.
 
     bf16 is drawn only without tp and with an untied head: the reference emulates the casts
     exactly, but not tensor parallelism's bf16 partial matmuls and their reduction, nor a tied
@@ -455,14 +473,63 @@ def test_pipeline_with_zero_equals_single_process(pools, case):
     amplifies those roundings beyond the bf16 tolerance for near-zero gradients."""
     world, layout = LAYOUTS[case["layout"]]
     _check_pp_sharded(pools, world, layout, case["strategy"], case["precision"], case["schedule"], case["m"],
-                      case["tie"], case["seed"])
+                      case["tie"], case["seed"], case["options"])
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2"])
-def test_dp_tp_pp_all_greater_than_one(pools, strategy):
-    """8 processes as dp=2 x tp=2 x pp=2 with a tied head, each data-parallel strategy: the full
-    composition equals the reference."""
-    _check_pp_sharded(pools, 8, dict(dp=2, tp=2, pp=2), strategy, "fp32", "1f1b", 2, True, 7)
+@pytest.mark.parametrize("strategy, sequence_parallel", [("ddp", True), ("zero1", False), ("zero2", True),
+                                                         ("zero3", True)])
+def test_dp_tp_pp_all_greater_than_one(pools, strategy, sequence_parallel):
+    """8 processes as dp=2 x tp=2 x pp=2 with a tied head, each data-parallel strategy, with and
+    without sequence parallelism: the full composition equals the reference."""
+    _check_pp_sharded(pools, 8, dict(dp=2, tp=2, pp=2), strategy, "fp32", "1f1b", 2, True, 7,
+                      dict(sequence_parallel=sequence_parallel))
+
+
+def _count_zero3_gathers(ctx, reshard: bool, m: int, schedule: str):
+    """Per step (the second): zero3's all-gathers and reduce-scatters of this stage, its unit count
+    (non-root, root) and every unit's padded size."""
+    mesh = Mesh(pp=2, dp=2)
+    cfg = GPTConfig(vocab_size=24, block_size=5, n_layer=4, n_head=2, n_embd=8, seed=3)
+    model = ShardedModule(GPT(cfg), mesh=mesh, strategy="zero3", schedule=schedule, microbatches=m,
+                          reshard_after_forward=reshard)
+    opt = model.build_optimizer(torch.optim.AdamW, lr=LR)
+    x = torch.randint(0, 24, (2 * m, 6), generator=torch.Generator().manual_seed(mesh.dp_rank))
+    for _ in range(2):
+        with mesh.comm.counting() as stats:
+            model.train_step(x[:, :-1], x[:, 1:], gpt_loss)
+            model.clip_grad_norm_(1.0)
+            opt.step()
+            opt.zero_grad()
+    units = model.strategy.units
+    out = dict(gathers=stats.calls("all_gather", "dp", "param"), scatters=stats.calls("reduce_scatter", "dp", "grad"),
+               gathered_elements=sum(r.bytes for r in stats.records if r.op == "all_gather" and r.tag == "param")
+               // 4, padded=sum(u.group.layout.padded for u in units),
+               nonroot=sum(not u.is_root for u in units), root=sum(u.is_root for u in units),
+               states=set(model.strategy.unit_states().values()))
+    mesh.destroy()
+    return out
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_zero3_under_the_pipeline_gathers_once_per_step_or_per_microbatch(pools, schedule):
+    """ZeRO-3 under pp, counted by the collective layer over one step (train_step, clip, step):
+    by default every unit of a stage is all-gathered once per step, whatever m, and its gradient
+    reduce-scattered once, after the last micro-batch; with reshard_after_forward=True every
+    non-root unit is gathered for each micro-batch's forward and again for its backward (2m), the
+    root (which stays gathered from its forward through its backward) between once and 2m times.
+    After the step every unit is sharded again."""
+    m = 3
+    for reshard in (False, True):
+        for rank, c in enumerate(pools.run(4, _count_zero3_gathers, reshard, m, schedule)):
+            units = c["nonroot"] + c["root"]
+            assert c["nonroot"] >= 2 and c["scatters"] == units, (rank, reshard, c)
+            assert c["states"] == {"sharded"}, (rank, reshard, c)
+            if not reshard:
+                assert c["gathers"] == units, (rank, c)
+                assert c["gathered_elements"] == c["padded"], (rank, c)
+            else:
+                low, high = 2 * m * c["nonroot"] + c["root"], 2 * m * units
+                assert low <= c["gathers"] <= high, (rank, c)
 
 
 # -- fp16 with dynamic loss scaling under pp ---------------------------------------------------------

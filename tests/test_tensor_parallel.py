@@ -18,6 +18,7 @@ from hypothesis import example, given, strategies as st
 
 from minipar import Mesh, ShardedModule
 from minipar.models import GPT, GPTConfig, gpt_loss
+from minipar.placement import placement_of
 from minipar.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, clip_grad_norm_,
                                      parallelize, vocab_parallel_cross_entropy)
 
@@ -427,7 +428,7 @@ def _dropout(ctx, sequence_parallel: bool):
     for region in ("replicated", "sharded"):
         with rng.fork(region):
             draws[region] = torch.rand(4).tolist()
-    replicated = {n: p.detach().clone() for n, p in model.named_parameters() if not getattr(p, "tensor_parallel", 0)}
+    replicated = {n: p.detach().clone() for n, p in model.named_parameters() if not placement_of(p).tensor_parallel}
     mesh.destroy()
     return masks, untouched, draws, replicated
 

@@ -28,6 +28,7 @@ from hypothesis import example, given, strategies as st
 from torch.testing import assert_close
 
 from minipar.mesh import Mesh
+from minipar.placement import placement_of
 from minipar.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, SequenceShard,
                                      VocabParallelEmbedding, parallelize, vocab_parallel_cross_entropy)
 
@@ -125,7 +126,7 @@ def _rank_column(ctx, case):
             ref = _linear(seed, 2, fin, fout, bias, dev)
             y_ref, dx_ref, g_ref = _reference(ref, x, dy)
             layer = ColumnParallelLinear(ref, mesh, gather_output=gather)
-            assert layer.weight.tensor_parallel and tuple(layer.weight.shape) == (fout // tp, fin)
+            assert placement_of(layer.weight).tensor_parallel and tuple(layer.weight.shape) == (fout // tp, fin)
             xi = _leaf(x)
             y = layer(xi)
             # gathered: the full, replicated output and the same dy everywhere; else this rank's features
@@ -176,7 +177,7 @@ def _rank_row(ctx, case):
             ref = _linear(seed, 2, fin, fout, bias, dev)
             y_ref, dx_ref, g_ref = _reference(ref, x, dy)
             layer = RowParallelLinear(ref, mesh, input_is_parallel=parallel_in)
-            assert layer.weight.tensor_parallel and tuple(layer.weight.shape) == (fout, fin // tp)
+            assert placement_of(layer.weight).tensor_parallel and tuple(layer.weight.shape) == (fout, fin // tp)
             xi = _leaf(_chunk(x, tp, -1, r) if parallel_in else x)
             y = layer(xi)
             _close(y.detach(), y_ref, f"{what} forward")
@@ -184,7 +185,7 @@ def _rank_row(ctx, case):
             _close(xi.grad, _chunk(dx_ref, tp, -1, r) if parallel_in else dx_ref, f"{what} input grad")
             _close(layer.weight.grad, _chunk(g_ref["weight"], tp, 1, r), f"{what} weight grad")
             if bias:
-                assert not getattr(layer.bias, "tensor_parallel", False)
+                assert not placement_of(layer.bias).tensor_parallel
                 _close(layer.bias.grad, g_ref["bias"], f"{what} bias grad")
             else:
                 assert layer.bias is None
@@ -237,7 +238,7 @@ def _rank_sequence_parallel(ctx, case):
             _close(xi.grad, _chunk(dx_ref, tp, 1, r), f"{what} input grad (sequence chunk)")
             _close(layer.weight.grad, _chunk(g_ref["weight"], tp, 0, r), f"{what} weight grad")
             if bias:
-                assert not getattr(layer.bias, "sequence_parallel", False)  # sees every position
+                assert not placement_of(layer.bias).sequence_parallel  # sees every position
                 _close(layer.bias.grad, _chunk(g_ref["bias"], tp, 0, r), f"{what} bias grad")
             _sync_sp(layer, mesh)  # nothing of a column layer is marked: a no-op
             _close(layer.weight.grad, _chunk(g_ref["weight"], tp, 0, r), f"{what} weight grad after sync")
@@ -258,7 +259,7 @@ def _rank_sequence_parallel(ctx, case):
             _close(layer.weight.grad, w_ref, f"{what} weight grad")
             if bias:
                 # The bias is added to this rank's sequence chunk only: its local gradient is that chunk's share.
-                assert layer.bias.sequence_parallel
+                assert placement_of(layer.bias).sequence_parallel
                 if _explicit_sp_sync is not None:
                     _close(layer.bias.grad, dy_r.sum((0, 1)), f"{what} bias grad before sync (partial)")
             _sync_sp(layer, mesh)
@@ -313,7 +314,7 @@ def _rank_embedding(ctx, case):
             ref = _embedding(seed, 2, vocab, dim, dev)
             y_ref, _, g_ref = _reference(ref, ids, dy)
             layer = VocabParallelEmbedding(ref, mesh, sequence_parallel=sp)
-            assert layer.weight.tensor_parallel and tuple(layer.weight.shape) == (vocab // tp, dim)
+            assert placement_of(layer.weight).tensor_parallel and tuple(layer.weight.shape) == (vocab // tp, dim)
             y = layer(ids.clone())
             # replicated output: one dy; sequence-parallel output: this rank's sequence chunk
             y_exp, dy_in = (_chunk(y_ref, tp, 1, r), _chunk(dy, tp, 1, r)) if sp else (y_ref, dy)
@@ -512,8 +513,8 @@ def _rank_parallelize(ctx, case):
             params = {n.replace(".inner.", "."): p for n, p in model.named_parameters()}
             assert set(params) == set(ref_grads), (what, sorted(params))
             for n, p in params.items():
-                assert bool(getattr(p, "sequence_parallel", False)) == (sp and n in SP_MARKED), (what, n)
-                assert bool(getattr(p, "tensor_parallel", False)) == (n in SHARD_DIM), (what, n)
+                assert placement_of(p).sequence_parallel == (sp and n in SP_MARKED), (what, n)
+                assert placement_of(p).tensor_parallel == (n in SHARD_DIM), (what, n)
             logits = model(ids)
             assert tuple(logits.shape) == (b, s, vocab // tp), (what, tuple(logits.shape))
             loss = vocab_parallel_cross_entropy(logits, targets, mesh.comm, mesh.group("tp"), ignore_index=IGNORE)

@@ -55,7 +55,6 @@ from typing import Any
 
 import torch
 
-from ..sharded_optim import ShardedState
 from .files import (FORMAT, VERSION, CheckpointError, check_plain, find_latest, publish,
                     read_manifest, read_rank_file, sha256_of, step_path)
 from .pieces import (Slot, agreed, assemble_full, cut_local, global_names, layout_of, missing_or_different,
@@ -156,7 +155,7 @@ def save(path: str | os.PathLike, model, optimizer, extra_state: Any = None) -> 
     first_replica = mesh.dp_rank == 0 and mesh.tp_rank == 0
     buffers = {names[id(b)]: b.detach().clone() for b in model.module.buffers() if id(b) in names} \
         if first_replica else {}
-    scaler = getattr(model.strategy, "scaler", None)
+    scaler = model.strategy.scaler
     payload = {"format": FORMAT, "version": VERSION, "rank": mesh.rank, "pieces": pieces, "buffers": buffers,
                "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
                "rng": _rng_state(model), "scaler": scaler.state_dict() if scaler is not None else None,
@@ -339,18 +338,9 @@ def _apply(model, optimizer, plan: dict) -> Any:
         owner.detach().view(-1).copy_(flat)
     for b, value in plan["buffers"].items():
         b.copy_(value)
-    strategy = model.strategy
-    if isinstance(strategy, ShardedState):
-        for g in strategy.groups:  # the compute-dtype shard follows the fp32 master, as after a step
-            if g.master.data_ptr() != g.shard.data_ptr():
-                g.shard[:g.layout.real_len].copy_(g.master)
-        if strategy.stage == 3:
-            for u in strategy.units:
-                strategy.reshard(u)  # a unit left gathered would hold the old values
-        else:
-            strategy.spread_params()
-        if plan["scaler"] is not None:
-            strategy.scaler.load_state_dict(plan["scaler"])
+    model.strategy.refresh_params()  # the compute parameters follow what the optimizer steps
+    if plan["scaler"] is not None and model.strategy.scaler.enabled:
+        model.strategy.scaler.load_state_dict(plan["scaler"])
     if optimizer is not None and plan["optimizer"] is not None:
         optimizer_of(optimizer).load_state_dict(plan["optimizer"])
     _set_rng_state(model, plan["rng"], plan["same_layout"])

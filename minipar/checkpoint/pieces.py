@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ..placement import placement_of
 from ..sharded_optim import ShardedState
 from .files import CheckpointError
 
@@ -79,11 +80,11 @@ def slots_of(model) -> list[Slot]:
         else None
     out = []
     for p in model.module.parameters():
-        chunks, full = [], list(p.shape)
-        if getattr(p, "tensor_parallel", False) and mesh.tp > 1:
-            chunks.append((p.tensor_parallel_dim, mesh.tp_rank, mesh.tp))
-            full[p.tensor_parallel_dim] *= mesh.tp
-        expert = getattr(p, "expert_parallel", False)
+        chunks, full, where = [], list(p.shape), placement_of(p)
+        if where.tensor_parallel and mesh.tp > 1:
+            chunks.append((where.tp_dim, mesh.tp_rank, mesh.tp))
+            full[where.tp_dim] *= mesh.tp
+        expert = where.expert
         if expert and mesh.ep > 1:
             chunks.append((0, mesh.ep_rank, mesh.ep))
             full[0] *= mesh.ep
@@ -93,7 +94,7 @@ def slots_of(model) -> list[Slot]:
         else:
             owner, at, lo, hi = p, 0, 0, p.numel()
             first_replica = (mesh.edp_rank if expert else mesh.dp_rank) == 0
-        replicated_over_tp = not getattr(p, "tensor_parallel", False) and mesh.tp_rank != 0
+        replicated_over_tp = not where.tensor_parallel and mesh.tp_rank != 0
         writes = first_replica and not replicated_over_tp and p is not tied_copy and hi > lo
         out.append(Slot(names[id(p)], p, tuple(full), chunks, lo, hi, owner, at, writes))
     return out

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from ..comm import AxisGroup
 from ..mesh import Mesh
+from ..placement import place, placement_of
 from ..regions import copy_to_region, gather_from_region, gather_sequence, reduce_from_region, \
     reduce_scatter_sequence, scatter_to_region
 
@@ -41,9 +42,9 @@ def mark_sequence_parallel(p: nn.Parameter, mesh: Mesh) -> None:
     """``p`` is replicated over tp but sees only this rank's slice of the sequence, so its gradient
     is a partial sum: sum it over tp as it arrives (a hook on the incoming gradient, before it is
     accumulated, so gradient accumulation and every data-parallel strategy see the full sum)."""
-    if getattr(p, "sequence_parallel", False):
+    if placement_of(p).sequence_parallel:
         return
-    p.sequence_parallel = True
+    place(p, sequence_parallel=True)
     comm, group = mesh.comm, mesh.group("tp")
 
     def all_reduce_grad(grad: torch.Tensor) -> torch.Tensor:
@@ -54,13 +55,12 @@ def mark_sequence_parallel(p: nn.Parameter, mesh: Mesh) -> None:
 
 
 def _shard(full: torch.Tensor, group: AxisGroup, dim: int, what: str) -> nn.Parameter:
-    """This rank's contiguous chunk of ``full`` along ``dim``, as a parameter marked ``tensor_parallel``."""
+    """This rank's contiguous chunk of ``full`` along ``dim``, placed as a tensor-parallel shard."""
     if full.shape[dim] % group.size:
         raise ValueError(f"{what}: size {full.shape[dim]} along dim {dim} is not divisible by tp={group.size}; "
                          "choose sizes divisible by the tensor-parallel size")
     p = nn.Parameter(full.detach().chunk(group.size, dim)[group.rank].clone())
-    p.tensor_parallel, p.tensor_parallel_dim = True, dim
-    return p
+    return place(p, tp_dim=dim)
 
 
 def enter_region(x: torch.Tensor, comm, group: AxisGroup, sequence_parallel: bool) -> torch.Tensor:

@@ -1,0 +1,93 @@
+"""One gradient norm for every layout: the norm of the whole single-process model's gradient.
+
+Each rank holds pieces of the gradient. A piece's contribution (the sum of
+|g|^p over its elements, or its max for the inf-norm) must be added over
+exactly the ranks that hold *other* elements of the same tensor, and over
+none that hold copies:
+
+    held as                               summed over
+    a data-parallel shard (ZeRO)          its shard axis (dp, or edp for experts)
+    a tensor-parallel shard               tp  (a tp-replicated parameter: counted once)
+    one of this rank's experts            ep
+    a pipeline stage's parameters         pp  (the last stage's copy of a tied weight left out)
+
+So every piece falls into one of a fixed set of slots (shard axis x tp-split
+x expert), each slot is summed over its axes, and the slots' total over pp.
+The slot layout is the same on every rank whatever it holds, so every rank
+issues the same collectives.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from .mesh import Mesh
+from .placement import placement_of
+
+_SHARD_AXES = (None, "dp", "edp")
+_SLOTS = list(itertools.product(_SHARD_AXES, (False, True), (False, True)))  # (shard axis, tp, expert)
+
+
+@dataclass
+class GradPiece:
+    """A piece of one parameter's gradient that this rank holds.
+
+    grad: the whole (local) gradient, or this rank's slice of it when ``shard_axis`` names the
+    data-parallel axis whose ranks hold the other slices (ZeRO). Scaling ``grad`` scales the
+    gradient the optimizer will use."""
+
+    param: nn.Parameter
+    grad: torch.Tensor
+    shard_axis: str | None = None
+
+
+@torch.no_grad()
+def global_grad_norm(pieces: list[GradPiece], mesh: Mesh, norm_type: float = 2.0,
+                     skip: nn.Parameter | None = None) -> torch.Tensor:
+    """The norm of the whole model's gradient, equal on every rank. ``skip``: a parameter whose
+    pieces are not counted (the last pipeline stage's copy of a tied weight: the first stage's counts)."""
+    norm_type = float(norm_type)
+    inf = math.isinf(norm_type)
+    by_slot: dict[int, list[torch.Tensor]] = {}
+    for piece in pieces:
+        if piece.param is skip or piece.grad.numel() == 0:
+            continue
+        where = placement_of(piece.param)
+        by_slot.setdefault(_SLOTS.index((piece.shard_axis, where.tensor_parallel, where.expert)), []).append(piece.grad)
+    parts = torch.zeros(len(_SLOTS), dtype=torch.float32, device=mesh.device)
+    for i, grads in by_slot.items():
+        norms = torch.stack(torch._foreach_norm(grads, norm_type, dtype=torch.float32))
+        parts[i] = norms.max() if inf else norms.pow(norm_type).sum()
+    op = "max" if inf else "sum"
+    for axis, split in (("dp", lambda s: s[0] == "dp"), ("edp", lambda s: s[0] == "edp"),
+                        ("tp", lambda s: s[1]), ("ep", lambda s: s[2])):
+        if mesh.size(axis) == 1:
+            continue
+        idx = torch.tensor([i for i, s in enumerate(_SLOTS) if split(s)], device=parts.device)
+        sub = parts[idx]
+        mesh.comm.all_reduce(sub, mesh.group(axis), op=op, tag="grad_norm")
+        parts[idx] = sub
+    total = (parts.max() if inf else parts.sum()).reshape(1)
+    mesh.comm.all_reduce(total, mesh.group("pp"), op=op, tag="grad_norm")
+    return total[0] if inf else total[0].pow(1.0 / norm_type)
+
+
+@torch.no_grad()
+def clip_(pieces: list[GradPiece], mesh: Mesh, max_norm: float, norm_type: float = 2.0,
+          skip: nn.Parameter | None = None) -> torch.Tensor:
+    """Scale every piece by min(1, max_norm / (norm + 1e-6)), as ``torch.nn.utils.clip_grad_norm_``;
+    returns the norm. A nan norm writes nan into the pieces only (never a shard's padding)."""
+    total = global_grad_norm(pieces, mesh, norm_type, skip)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for piece in pieces:
+        if piece.grad.numel():
+            by_dtype.setdefault(piece.grad.dtype, []).append(piece.grad)
+    for dtype, grads in by_dtype.items():
+        torch._foreach_mul_(grads, coef.to(dtype))
+    return total

@@ -1,0 +1,83 @@
+"""One training step of a pipeline stage, with any data-parallel strategy beside it.
+
+    1. the schedule's forwards and backwards (`run_schedule`), every backward under the
+       strategy's ``no_sync``: the micro-batches' gradients accumulate locally;
+    2. the tied embedding / head weight's *local* gradient summed over the first and last stage
+       (`sync_tied_grads`; middle stages add zeros). A sum over pp and a mean over dp commute, so
+       summing before the data-parallel reduction gives every strategy, sharded or not, one
+       ordinary gradient to reduce: no strategy needs to know the weight is tied;
+    3. ``strategy.sync_grads()``: the data-parallel reduction, once per step whatever m is;
+    4. the loss every rank reports: the last stage's, summed over pp (the others add 0),
+       averaged over dp.
+
+The cost of (1)-(3) against overlapping the reduction with the last
+micro-batch's backward: the last backward's share of the step (1/m of the
+backward work) is no longer hidden behind communication.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from ..mesh import Mesh
+from ..moe import moe_layers
+from ..strategy import Strategy
+from .executor import run_schedule
+from .schedule import SCHEDULES
+from .stage import sync_tied_grads
+
+
+class Pipeline:
+    """The pipeline part of a `ShardedModule`: schedule, micro-batch count, and the step.
+
+    hidden: the activation width between stages; tied_shape: this tp rank's piece of a tied
+    embedding/head weight (what a middle stage adds zeros of). Raises ValueError for an unknown
+    schedule or a micro-batch count that is not a positive integer."""
+
+    def __init__(self, mesh: Mesh, schedule: str, microbatches: int, hidden: int, tied_shape: tuple,
+                 record_timeline: bool = False, seq_divisor: int = 1) -> None:
+        if schedule not in SCHEDULES:
+            raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+        if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+            raise ValueError(f"microbatches={microbatches!r} must be a positive integer")
+        self.mesh, self.schedule, self.microbatches = mesh, schedule, microbatches
+        self.hidden, self.tied_shape = hidden, tied_shape
+        self.seq_divisor = seq_divisor  # sequence parallelism: activations between stages are sequence shards
+        self.record_timeline = record_timeline
+        self.timeline: list = []  # (action, start, end) of this stage's last step, when recorded
+        self.peak_live_activations = 0
+
+    def step(self, stage: nn.Module, strategy: Strategy, inputs: torch.Tensor, targets: torch.Tensor,
+             loss_fn: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
+        mesh, m = self.mesh, self.microbatches
+        if inputs.shape[0] % m:
+            raise ValueError(f"a batch of {inputs.shape[0]} does not split into microbatches={m}; "
+                             "use a batch size divisible by the micro-batch count")
+        if inputs.shape[1] % self.seq_divisor:
+            raise ValueError(f"a sequence of {inputs.shape[1]} does not split into tp={self.seq_divisor} shards "
+                             "for sequence parallelism; use a sequence length divisible by tp")
+        for layer in moe_layers(stage):  # the loss is a mean over m micro-batches; so is the auxiliary loss
+            layer.aux_scale = 1.0 / m
+        act_shape = (inputs.shape[0] // m, inputs.shape[1] // self.seq_divisor, self.hidden)
+        actions = SCHEDULES[self.schedule](mesh.pp, m)[mesh.pp_rank]
+        scale = strategy.scaler.scale if strategy.scaler.enabled else None
+        stage_loss = loss_fn if scale is None else (lambda out, y: loss_fn(out, y) * scale)  # fp16: scaled backward
+        # What the tied weight's gradient held before this step (DDP keeps an earlier step's reduced
+        # sum there until zero_grad; the others moved it into their shards): only what comes now is summed.
+        w = stage.tied_weight()
+        before = w.grad.clone() if w is not None and w.grad is not None else None
+        self.timeline = [] if self.record_timeline else self.timeline
+        with strategy.no_sync():
+            loss, self.peak_live_activations = run_schedule(
+                stage, actions, mesh, list(inputs.chunk(m)) if stage.first else None,
+                list(targets.chunk(m)) if stage.last else None, stage_loss, act_shape,
+                next(stage.parameters()).dtype, timeline=self.timeline if self.record_timeline else None)
+        sync_tied_grads(stage, mesh, self.tied_shape, already_summed=before)
+        strategy.sync_grads()
+        loss = loss.float().reshape(1) if scale is None else loss.float().reshape(1) / scale
+        mesh.comm.all_reduce(loss, mesh.group("pp"), tag="loss")
+        mesh.comm.all_reduce(loss, mesh.group("dp"), tag="loss")
+        return loss.div_(mesh.dp)[0]

@@ -1,0 +1,99 @@
+"""The data-parallel strategy protocol: the questions `ShardedModule` asks, whatever the strategy.
+
+DDP (`minipar.ddp`), ZeRO-1/2 (`minipar.zero`) and ZeRO-3 (`minipar.fsdp`)
+each answer these, and the front door, the pipeline step and checkpoints ask
+nothing else, so tensor, pipeline and expert parallelism compose with any of
+them without knowing which one they hold::
+
+    no_sync()            backward inside does not communicate; gradients accumulate locally
+    sync_grads()         reduce what local accumulation left (the end of an accumulated step)
+    local_accumulation   under a pipeline: every micro-batch runs under no_sync, then sync_grads
+    unscale_()           reduce, divide out the loss scale; True if some rank overflowed
+    grad_pieces()        the pieces of the reduced gradient this rank holds, each with its placement
+    build_optimizer()    the optimizer over what this rank steps
+    zero_grad()          forget the gradients, wherever the strategy keeps them
+    memory_stats()       bytes of persistent parameters, gradients and optimizer state
+    full_params(), full_grads()   {id(param): full tensor} (layout-free state, for state dicts)
+
+A gradient's life under this protocol: backward leaves it in ``p.grad`` (or,
+synchronising, the strategy moves it into its buckets and reduces it there);
+anything that must touch the *local* gradient before the data-parallel
+reduction, like the sum of a tied weight over pipeline stages, runs between
+the last no_sync backward and ``sync_grads``.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+from typing import Any
+
+import torch
+
+from .grad_norm import GradPiece
+from .precision import LossScaler
+
+
+class Strategy(abc.ABC):
+    """Base of every data-parallel strategy (see the module docstring)."""
+
+    scaler: LossScaler
+    local_accumulation: bool
+
+    @abc.abstractmethod
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        ...
+
+    @abc.abstractmethod
+    def sync_grads(self) -> None:
+        ...
+
+    def unscale_(self) -> bool:
+        self.sync_grads()
+        return False
+
+    @abc.abstractmethod
+    def grad_pieces(self) -> list[GradPiece]:
+        ...
+
+    @abc.abstractmethod
+    def build_optimizer(self, optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any):
+        ...
+
+    @abc.abstractmethod
+    def zero_grad(self) -> None:
+        ...
+
+    @abc.abstractmethod
+    def memory_stats(self) -> dict[str, int]:
+        ...
+
+    def full_params(self) -> dict[int, torch.Tensor]:
+        """{id(param): its full value} for parameters whose module tensor is not the full value."""
+        return {}
+
+    @abc.abstractmethod
+    def full_grads(self) -> dict[int, torch.Tensor]:
+        ...
+
+    def refresh_params(self) -> None:
+        """After the tensors the optimizer steps were overwritten (a checkpoint load): make the
+        module's parameters follow them."""
+
+
+def storage_bytes(tensors, seen: set[int]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (None skipped) not already in ``seen``."""
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        key = t.untyped_storage().data_ptr()
+        if key in seen or t.untyped_storage().nbytes() == 0:
+            continue
+        seen.add(key)
+        total += t.untyped_storage().nbytes()
+    return total
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [v for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
