@@ -40,10 +40,9 @@ Like ZeRO-1/2, a parameter without a gradient gets a zero gradient.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -103,7 +102,6 @@ class Zero3(ShardedState):
         # Reduce-scatters launch in this fixed order on every rank (backward runs units in reverse).
         self._rs_order = [u for u in reversed(self.units) if not u.is_root] + [u for u in self.units if u.is_root]
         self.order = LaunchOrder([u.grads for u in self._rs_order], self.comm, self.group)
-        self._sync = True
         self._pending = False  # no_sync backwards left gradients in p.grad
         self._fwd_order: list[Unit] = []
         self._last_fwd_order: list[Unit] = []
@@ -240,18 +238,6 @@ class Zero3(ShardedState):
             if self._reshards_now():
                 self.reshard(u)
         self._callback_queued = False
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """With ``local_accumulation``: backward leaves gradients in ``p.grad``, sends nothing, and
-        (unless ``reshard_after_forward``) keeps units gathered; ``sync_grads`` reduces them.
-        Without: changes nothing (every backward reduce-scatters into the shards)."""
-        previous = self._sync
-        self._sync = previous and not self.local_accumulation
-        try:
-            yield
-        finally:
-            self._sync = previous
 
     @torch.no_grad()
     def sync_grads(self) -> None:

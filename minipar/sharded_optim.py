@@ -58,6 +58,7 @@ class ShardedState(Strategy):
         self.policy, self.offload = policy, offload
         self.scaler = LossScaler(policy.init_scale, policy.growth_interval, policy.uses_loss_scaling)
         self.groups: list[ShardGroup] = []
+        self._sync = True  # False inside no_sync with local accumulation
         self.optimizer: ShardedOptimizer | None = None
         self._unscaled = False
         self._found_inf = False
@@ -73,14 +74,17 @@ class ShardedState(Strategy):
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accepted for symmetry with DDP; changes nothing under ZeRO-2 and ZeRO-3.
-
-        They exist not to hold the full gradient, so every backward
-        reduce-scatters its gradients and they accumulate in this rank's
-        gradient shard. (ZeRO-1, which keeps the full gradient, overrides this:
-        its ``no_sync`` sends nothing.)
-        """
-        yield
+        """With ``local_accumulation`` (ZeRO-1 always; ZeRO-2 and ZeRO-3 under a pipeline): backward
+        accumulates in ``p.grad`` and sends nothing; the next synchronising backward, ``sync_grads``
+        or the step reduces the sum (ZeRO-3 also keeps its units gathered unless
+        ``reshard_after_forward``). Without: changes nothing. ZeRO-2 and ZeRO-3 exist not to hold
+        the full gradient, so every backward reduce-scatters and the shards accumulate."""
+        previous = self._sync
+        self._sync = previous and not self.local_accumulation
+        try:
+            yield
+        finally:
+            self._sync = previous
 
     # -- gradients -------------------------------------------------------------
 

@@ -41,9 +41,6 @@ a plain torch optimizer would skip it.
 
 from __future__ import annotations
 
-import contextlib
-from typing import Iterator
-
 import torch
 import torch.nn as nn
 
@@ -64,7 +61,6 @@ class _BucketedShards(ShardedState):
 
     def __init__(self, module: nn.Module, mesh: Mesh, policy: MixedPrecision, offload: bool,
                  bucket_cap_mb: float) -> None:
-        self._sync = True
         super().__init__(mesh.comm, mesh.group("dp"), mesh.world, mesh.group("tp"), policy, offload)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.comm.check_same(f"the zero{self.stage} configuration", {
@@ -84,18 +80,6 @@ class _BucketedShards(ShardedState):
         # one reduces them all (hooks, then _add_unreported_grads), once its buckets have landed.
         self._shards_current = self._sync
         return self._sync
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """With local accumulation: accumulate in ``p.grad`` without communicating; the next
-        synchronising backward (or the step, if none comes) moves the sum into the buckets and
-        reduce-scatters it. Without (stage 2 by default): changes nothing, see ShardedState.no_sync."""
-        previous = self._sync
-        self._sync = previous and not self.local_accumulation
-        try:
-            yield
-        finally:
-            self._sync = previous
 
     def _add_unreported_grads(self) -> None:
         """Into the buckets not launched yet: the gradients whose hook did not fire in this backward

@@ -307,6 +307,19 @@ def test_microbatch_count_changes_nothing_but_the_schedule(pools, layout, schedu
 
 # -- when the data-parallel gradient sync happens ------------------------------------------------
 
+def _count_second_step(model: ShardedModule, x: torch.Tensor):
+    """Two training steps (train_step, clip, optimizer step, zero_grad) on ``x``; the collectives of
+    the second, as counted by the collective layer."""
+    opt = model.build_optimizer(torch.optim.AdamW, lr=LR)
+    for _ in range(2):
+        with model.mesh.comm.counting() as stats:
+            model.train_step(x[:, :-1], x[:, 1:], gpt_loss)
+            model.clip_grad_norm_(1.0)
+            opt.step()
+            opt.zero_grad()
+    return stats
+
+
 def _count_grad_sync(ctx, strategy: str, counts: list[int]):
     """Per m: calls of the gradient collective over dp in the second step (train_step, clip,
     optimizer step), the number of buckets/shard groups, and whether every call came after the last
@@ -317,14 +330,7 @@ def _count_grad_sync(ctx, strategy: str, counts: list[int]):
         cfg = GPTConfig(vocab_size=24, block_size=5, n_layer=2, n_head=2, n_embd=8, seed=3)
         model = ShardedModule(GPT(cfg), mesh=mesh, strategy=strategy, schedule="1f1b", microbatches=m,
                               bucket_cap_mb=1e-3, record_timeline=True)  # ~1 KiB buckets: many of them, so counts mean something
-        opt = model.build_optimizer(torch.optim.AdamW, lr=LR)
-        x = torch.randint(0, 24, (8, 6), generator=torch.Generator().manual_seed(mesh.dp_rank))
-        for _ in range(2):
-            with mesh.comm.counting() as stats:
-                model.train_step(x[:, :-1], x[:, 1:], gpt_loss)
-                model.clip_grad_norm_(1.0)
-                opt.step()
-                opt.zero_grad()
+        stats = _count_second_step(model, torch.randint(0, 24, (8, 6), generator=torch.Generator().manual_seed(mesh.dp_rank)))
         op = "all_reduce" if strategy == "ddp" else "reduce_scatter"
         calls = [r for r in stats.records if r.op == op and r.group == "dp" and r.tag == "grad"]
         last_backward = max(start for action, start, _ in model.timeline if action.startswith("B"))
@@ -492,14 +498,7 @@ def _count_zero3_gathers(ctx, reshard: bool, m: int, schedule: str):
     cfg = GPTConfig(vocab_size=24, block_size=5, n_layer=4, n_head=2, n_embd=8, seed=3)
     model = ShardedModule(GPT(cfg), mesh=mesh, strategy="zero3", schedule=schedule, microbatches=m,
                           reshard_after_forward=reshard)
-    opt = model.build_optimizer(torch.optim.AdamW, lr=LR)
-    x = torch.randint(0, 24, (2 * m, 6), generator=torch.Generator().manual_seed(mesh.dp_rank))
-    for _ in range(2):
-        with mesh.comm.counting() as stats:
-            model.train_step(x[:, :-1], x[:, 1:], gpt_loss)
-            model.clip_grad_norm_(1.0)
-            opt.step()
-            opt.zero_grad()
+    stats = _count_second_step(model, torch.randint(0, 24, (2 * m, 6), generator=torch.Generator().manual_seed(mesh.dp_rank)))
     units = model.strategy.units
     out = dict(gathers=stats.calls("all_gather", "dp", "param"), scatters=stats.calls("reduce_scatter", "dp", "grad"),
                gathered_elements=sum(r.bytes for r in stats.records if r.op == "all_gather" and r.tag == "param")
