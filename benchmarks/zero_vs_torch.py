@@ -367,10 +367,10 @@ def zero3_expected(sm: minipar.ShardedModule) -> dict:
     f = (n - 1) / n
     pes = torch.empty((), dtype=st.policy.param_dtype).element_size()
     ges = torch.empty((), dtype=st.policy.grad_dtype).element_size()
-    ag = sum(u.group.layout.padded * pes * (1 if u.is_root else 2) for u in st.units)
-    rs = sum(u.group.layout.padded * ges for u in st.units)
-    phi_units = sum(u.group.layout.numel for u in st.units if not u.is_root)
-    phi_root = sum(u.group.layout.numel for u in st.units if u.is_root)
+    ag = sum(pt.group.layout.padded * pes * (1 if u.is_root else 2) for u in st.units for pt in u.parts)
+    rs = sum(pt.group.layout.padded * ges for u in st.units for pt in u.parts)
+    phi_units = sum(pt.group.layout.numel for u in st.units if not u.is_root for pt in u.parts)
+    phi_root = sum(pt.group.layout.numel for u in st.units if u.is_root for pt in u.parts)
     return {"all_gather": f * ag, "reduce_scatter": f * rs, "total": f * (ag + rs),
             "phi_units": phi_units, "phi_root": phi_root,
             "unpadded_total": f * (pes * (2 * phi_units + phi_root) + ges * (phi_units + phi_root))}

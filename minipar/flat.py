@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from .comm import AxisGroup
+
 
 @dataclass
 class FlatLayout:
@@ -93,11 +95,32 @@ class FlatLayout:
 
 @dataclass
 class ShardGroup:
+    """One flat group as this rank holds it, and the axes it lives on.
+
+    ``axis``: the ranks that hold the other shards (dp; edp for experts; dp_shard under HSDP).
+    ``divisor``: the data-parallel size its gradient is averaged over (always the whole dp: an
+    expert's local gradient already sums what its expert-parallel group sent it).
+    ``replicas``: the ranks that hold this same shard (dp_replicate under HSDP; else None). Their
+    gradient shards are all-reduced once per step; ``replicated`` says that happened since the
+    shard last changed.
+    """
+
     layout: FlatLayout
     shard: torch.Tensor               # (shard_size,), compute dtype
     master: nn.Parameter              # (real_len,), fp32, on the optimizer's device
     grad_shard: torch.Tensor | None   # (shard_size,), reduce dtype
+    axis: AxisGroup
+    divisor: int
+    replicas: AxisGroup | None = None
+    replicated: bool = False
 
     @property
     def real_grad(self) -> torch.Tensor:
         return self.grad_shard[: self.layout.real_len]
+
+    def unreplicate(self) -> None:
+        """Before new gradients add into a shard already all-reduced over the replicas: divide it by
+        their count, so that the next all-reduce restores it once and adds only what is new."""
+        if self.replicated:
+            self.grad_shard.div_(self.replicas.size)
+            self.replicated = False

@@ -40,7 +40,7 @@ Like ZeRO-1/2, a parameter without a gradient gets a zero gradient.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Callable
 
@@ -48,7 +48,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
-from .ddp import broadcast_from_rank0, signature
+from .ddp import signature
 from .flat import FlatLayout, ShardGroup
 from .grad_buckets import GradStaging, LaunchOrder
 from .mesh import Mesh
@@ -65,17 +65,37 @@ class UnitState(Enum):
 
 
 @dataclass
+class Part:
+    """A unit's parameters of one shard axis (dense over dp, experts over edp): one flat group."""
+
+    group: ShardGroup
+    full: torch.Tensor                      # (padded,) compute dtype; storage empty while SHARDED
+    grads: GradStaging                      # the part's gradient on its way to the shard
+
+
+@dataclass
 class Unit:
     name: str
     module: nn.Module
-    group: ShardGroup
-    full: torch.Tensor                      # (padded,) compute dtype; storage empty while SHARDED
+    parts: list[Part]
     state: UnitState = UnitState.SHARDED
-    work: Any = None                        # the all-gather in flight while GATHERING
-    grads: GradStaging | None = None        # the unit's gradient on its way to the shard
+    works: list = field(default_factory=list)  # the all-gathers in flight while GATHERING
     backward_started: bool = False
     received: int = 0                       # gradients that arrived in this backward
     is_root: bool = False
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        return [p for part in self.parts for p in part.group.layout.params]
+
+    @property
+    def n_params(self) -> int:
+        return sum(len(part.group.layout.params) for part in self.parts)
+
+    @property
+    def full_bytes(self) -> int:
+        """Bytes of gathered parameters this unit holds now (0 while SHARDED)."""
+        return sum(part.full.untyped_storage().nbytes() for part in self.parts)
 
 
 class Zero3(ShardedState):
@@ -85,23 +105,25 @@ class Zero3(ShardedState):
 
     def __init__(self, module: nn.Module, mesh: Mesh, policy: MixedPrecision, offload: bool,
                  wrap_policy: Any = None, reshard_after_forward: bool = True) -> None:
-        super().__init__(mesh.comm, mesh.group("dp"), mesh.world, mesh.group("tp"), policy, offload)
+        super().__init__(mesh, policy, offload)
         unit_modules = select_units(module, wrap_policy)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.comm.check_same("the zero3 configuration", {
             "policy": repr(policy), "offload": offload, "reshard_after_forward": reshard_after_forward,
             "units": [n for n, _ in unit_modules], "parameters": signature(named)}, self.group)
-        broadcast_from_rank0(module, self.comm, self.group)
         self.reshard_after_forward = reshard_after_forward
         self.units: list[Unit] = []
         owned = assign_params(module, unit_modules)
+        axes = {id(p): axis for ps, axis in self.shard_axes(module, [p for ps in owned for p in ps]) for p in ps}
         for (name, m), params in zip(unit_modules + [("<root>", module)], owned):
             if params:
-                self.units.append(self._make_unit(name, m, params, mesh.device, is_root=m is module))
-        self.groups = [u.group for u in self.units]
+                parts = [self._make_part([p for p in params if axes[id(p)] is axis], axis, mesh.device)
+                         for axis in dict.fromkeys(axes[id(p)] for p in params)]
+                self.units.append(Unit(name, m, parts, is_root=m is module))
+        self.groups = [part.group for u in self.units for part in u.parts]
         # Reduce-scatters launch in this fixed order on every rank (backward runs units in reverse).
         self._rs_order = [u for u in reversed(self.units) if not u.is_root] + [u for u in self.units if u.is_root]
-        self.order = LaunchOrder([u.grads for u in self._rs_order], self.comm, self.group)
+        self.order = LaunchOrder([part.grads for u in self._rs_order for part in u.parts], self.comm)
         self._pending = False  # no_sync backwards left gradients in p.grad
         self._fwd_order: list[Unit] = []
         self._last_fwd_order: list[Unit] = []
@@ -111,14 +133,15 @@ class Zero3(ShardedState):
             if not u.is_root:
                 self._hooks.append(u.module.register_forward_pre_hook(self._forward_pre_hook(u)))
                 self._hooks.append(u.module.register_forward_hook(self._forward_hook(u)))
-            for i, p in enumerate(u.group.layout.params):
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook(u, i)))
+            for part in u.parts:
+                for i, p in enumerate(part.group.layout.params):
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook(u, part, i)))
         self._hooks.append(module.register_forward_pre_hook(self._root_pre_forward))
         self._hooks.append(module.register_forward_hook(self._root_post_forward))
         self._root = next((u for u in self.units if u.is_root), None)
 
-    def _make_unit(self, name: str, m: nn.Module, params: list[nn.Parameter], device, is_root: bool) -> Unit:
-        lay = FlatLayout.of(params, self.group.size, self.group.rank)
+    def _make_part(self, params: list[nn.Parameter], axis, device) -> Part:
+        lay = FlatLayout.of(params, axis.size, axis.rank)
         full_fp32 = lay.flatten([p.detach() for p in params], torch.float32, device)
         shard = full_fp32[lay.lo: lay.lo + lay.shard_size].to(self.policy.param_dtype, copy=True)
         master = make_master(shard, full_fp32[lay.lo: lay.lo + lay.real_len], self.offload)
@@ -127,31 +150,38 @@ class Zero3(ShardedState):
         for p, view in zip(params, lay.views(full)):
             p.data = view
         full.untyped_storage().resize_(0)
-        group = ShardGroup(lay, shard, master, grad_shard)
-        return Unit(name, m, group, full, grads=GradStaging(group, self.policy.grad_dtype), is_root=is_root)
+        group = self.shard_group(lay, shard, master, grad_shard, axis)
+        return Part(group, full, GradStaging(group, self.policy.grad_dtype))
 
     # -- the unit state machine --------------------------------------------------
 
     @torch.no_grad()
     def unshard(self, u: Unit, async_op: bool = False) -> None:
         if u.state is UnitState.GATHERING and not async_op:
-            u.work.wait()
-            u.state, u.work = UnitState.FULL, None
+            self._land(u)
+            u.state = UnitState.FULL
         if u.state is not UnitState.SHARDED:
             return
-        u.full.untyped_storage().resize_(u.full.numel() * u.full.element_size())
-        work = self.comm.all_gather(u.full, u.group.shard, self.group, async_op=True, tag="param")
+        for part in u.parts:
+            part.full.untyped_storage().resize_(part.full.numel() * part.full.element_size())
+            u.works.append(self.comm.all_gather(part.full, part.group.shard, part.group.axis, async_op=True,
+                                                tag="param"))
         if async_op:
-            u.state, u.work = UnitState.GATHERING, work
+            u.state = UnitState.GATHERING
         else:
-            work.wait()
+            self._land(u)
             u.state = UnitState.FULL
 
+    @staticmethod
+    def _land(u: Unit) -> None:
+        for work in u.works:
+            work.wait()
+        u.works = []
+
     def reshard(self, u: Unit) -> None:
-        if u.state is UnitState.GATHERING:
-            u.work.wait()
-            u.work = None
-        u.full.untyped_storage().resize_(0)
+        self._land(u)
+        for part in u.parts:
+            part.full.untyped_storage().resize_(0)
         u.state = UnitState.SHARDED
 
     # -- forward -------------------------------------------------------------------
@@ -204,18 +234,18 @@ class Zero3(ShardedState):
         if prev is not None and not prev.is_root:
             self.unshard(prev, async_op=True)
 
-    def _grad_hook(self, u: Unit, i: int) -> Callable:
+    def _grad_hook(self, u: Unit, part: Part, i: int) -> Callable:
         def hook(p: nn.Parameter) -> None:
             if not self._callback_queued:
                 self._callback_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
             u.received += 1
             if self._sync:
-                u.grads.add(i, p.grad, self.group.size)
+                part.grads.add(i, p.grad)
                 p.grad = None
             else:
                 self._pending = True  # stays in p.grad until sync_grads
-            if u.received == len(u.group.layout.params):
+            if u.received == u.n_params:
                 self._post_backward(u)
         return hook
 
@@ -240,17 +270,18 @@ class Zero3(ShardedState):
         self._callback_queued = False
 
     @torch.no_grad()
-    def sync_grads(self) -> None:
+    def reduce_shards(self) -> None:
         """Reduce-scatter what no_sync backwards accumulated in ``p.grad``, unit by unit in the fixed
         order, then reshard every unit."""
         if not self._pending:
             return
         for u in self._rs_order:
-            for i, p in enumerate(u.group.layout.params):
-                if p.grad is not None:
-                    u.grads.add(i, p.grad, self.group.size)
-                    p.grad = None
-            self.order.launch_next()  # a parameter that got no gradient contributes zero
+            for part in u.parts:
+                for i, p in enumerate(part.group.layout.params):
+                    if p.grad is not None:
+                        part.grads.add(i, p.grad)
+                        p.grad = None
+                self.order.launch_next()  # a parameter that got no gradient contributes zero
         self.order.finish()
         for u in self.units:
             self.reshard(u)
@@ -258,8 +289,8 @@ class Zero3(ShardedState):
 
     def zero_grad(self) -> None:
         super().zero_grad()
-        for u in self.units:
-            for p in u.group.layout.params:
+        for g in self.groups:
+            for p in g.layout.params:
                 p.grad = None  # what no_sync accumulated is dropped too
         self._pending = False
 

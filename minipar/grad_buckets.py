@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .comm import AxisGroup, Comm
+from .comm import Comm
 from .flat import ShardGroup
 
 
@@ -92,13 +92,13 @@ class GradStaging:
             self._views = self.group.layout.views(self._flat)
         return self._flat
 
-    def add(self, i: int, grad: torch.Tensor, divisor: int) -> None:
+    def add(self, i: int, grad: torch.Tensor) -> None:
         """Stage ``grad / divisor`` (the sum over ranks of grad / N is the mean): one pass over it."""
         claim(self.ready, i)
         self._buffer()
-        divide_into(self._views[i], grad, divisor)
+        divide_into(self._views[i], grad, self.group.divisor)
 
-    def launch(self, comm: Comm, axis: AxisGroup) -> None:
+    def launch(self, comm: Comm) -> None:
         flat = self._buffer()
         for view, ready in zip(self._views, self.ready):
             if not ready:
@@ -106,12 +106,14 @@ class GradStaging:
         flat[self.group.layout.numel:].zero_()  # and so does the padding
         self._out = torch.empty(self.group.layout.shard_size, dtype=flat.dtype, device=flat.device)
         # the staging buffer is ours and dropped at land: it may be reduced in place
-        self._work = comm.reduce_scatter(self._out, flat, axis, async_op=True, tag="grad", input_is_scratch=True)
+        self._work = comm.reduce_scatter(self._out, flat, self.group.axis, async_op=True, tag="grad",
+                                         input_is_scratch=True)
 
     def land(self) -> None:
         """Wait for the reduce-scatter and add its result into the gradient shard (accumulating over
         backwards until zero_grad)."""
         self._work.wait()
+        self.group.unreplicate()
         self.group.grad_shard += self._out
         if self.pool is not None:
             self.pool.give(self._base)
@@ -132,8 +134,8 @@ class LaunchOrder:
     window plus the groups still filling, never the whole gradient.
     """
 
-    def __init__(self, stagings: list[GradStaging], comm: Comm, axis: AxisGroup, window: int = 2) -> None:
-        self.stagings, self.comm, self.axis = stagings, comm, axis
+    def __init__(self, stagings: list[GradStaging], comm: Comm, window: int = 2) -> None:
+        self.stagings, self.comm = stagings, comm
         self.window = window
         self.pool = StagingPool(keep=window + 1)
         for staging in stagings:
@@ -152,7 +154,7 @@ class LaunchOrder:
     def launch_next(self) -> None:
         """Launch the next staging in the order, complete or not (missing gradients count as zero)."""
         staging = self.stagings[self._next]
-        staging.launch(self.comm, self.axis)
+        staging.launch(self.comm)
         self._in_flight.append(staging)
         self._next += 1
         while len(self._in_flight) > self.window:

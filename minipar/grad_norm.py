@@ -6,7 +6,7 @@ exactly the ranks that hold *other* elements of the same tensor, and over
 none that hold copies:
 
     held as                               summed over
-    a data-parallel shard (ZeRO)          its shard axis (dp, or edp for experts)
+    a data-parallel shard (ZeRO)          its shard axis (dp; dp_shard under HSDP; edp for experts)
     a tensor-parallel shard               tp  (a tp-replicated parameter: counted once)
     one of this rank's experts            ep
     a pipeline stage's parameters         pp  (the last stage's copy of a tied weight left out)
@@ -29,7 +29,7 @@ import torch.nn as nn
 from .mesh import Mesh
 from .placement import placement_of
 
-_SHARD_AXES = (None, "dp", "edp")
+_SHARD_AXES = (None, "dp", "dp_shard", "edp")
 _SLOTS = list(itertools.product(_SHARD_AXES, (False, True), (False, True)))  # (shard axis, tp, expert)
 
 
@@ -64,8 +64,8 @@ def global_grad_norm(pieces: list[GradPiece], mesh: Mesh, norm_type: float = 2.0
         norms = torch.stack(torch._foreach_norm(grads, norm_type, dtype=torch.float32))
         parts[i] = norms.max() if inf else norms.pow(norm_type).sum()
     op = "max" if inf else "sum"
-    for axis, split in (("dp", lambda s: s[0] == "dp"), ("edp", lambda s: s[0] == "edp"),
-                        ("tp", lambda s: s[1]), ("ep", lambda s: s[2])):
+    for axis, split in (("dp", lambda s: s[0] == "dp"), ("dp_shard", lambda s: s[0] == "dp_shard"),
+                        ("edp", lambda s: s[0] == "edp"), ("tp", lambda s: s[1]), ("ep", lambda s: s[2])):
         if mesh.size(axis) == 1:
             continue
         idx = torch.tensor([i for i, s in enumerate(_SLOTS) if split(s)], device=parts.device)

@@ -8,7 +8,12 @@ so the ranks of one tensor-parallel group are adjacent and, with tp up to the
 GPUs per node, stay inside a node (TP is the chattiest axis). Expert
 parallelism splits the data-parallel axis: ``dp_rank = edp_rank * ep + ep_rank``,
 so an expert-parallel group is ``ep`` neighbouring data-parallel ranks and the
-``edp`` group joins the ranks that hold the same experts.
+``edp`` group joins the ranks that hold the same experts. HSDP splits it the
+same way: ``dp_rank = replicate_rank * dp_shard + shard_rank``, so a
+``dp_shard`` group is ``dp_shard`` neighbouring data-parallel ranks (sharded
+strategies shard over it) and a ``dp_replicate`` group joins the ranks that
+hold the same shard (they all-reduce it once per step). Without HSDP
+(``dp_shard = dp``) the dp_shard group is the dp group and dp_replicate has one rank.
 
 Example, world 8, ``Mesh(dp=2, tp=2, pp=2)``::
 
@@ -34,7 +39,7 @@ import torch.distributed as dist
 
 from .comm import AxisGroup, Comm
 
-AXES = ("dp", "tp", "pp", "ep", "edp")
+AXES = ("dp", "tp", "pp", "ep", "edp", "dp_shard", "dp_replicate")
 
 
 class Mesh:
@@ -45,6 +50,8 @@ class Mesh:
         tp: tensor-parallel size.
         pp: pipeline-parallel size.
         ep: expert-parallel size; splits dp, so it must divide dp.
+        dp_shard: HSDP: the sharded strategies shard over groups of this many data-parallel ranks
+            and replicate across the dp / dp_shard groups; it must divide dp. Default: dp (no HSDP).
         device: where this rank computes; default: cuda:LOCAL_RANK under nccl, else cpu.
 
     Raises ValueError, on every rank and before any collective, when the sizes
@@ -52,19 +59,21 @@ class Mesh:
     """
 
     def __init__(self, dp: int | None = None, tp: int = 1, pp: int = 1, ep: int = 1,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, dp_shard: int | None = None) -> None:
         if not dist.is_initialized():
             raise ValueError("torch.distributed is not initialised: call minipar.init(...) "
                              "(it initialises from the torchrun environment), or "
                              "torch.distributed.init_process_group first")
         world_size, rank = dist.get_world_size(), dist.get_rank()
-        dp, tp, pp, ep = _check_sizes(world_size, dp, tp, pp, ep)
-        self.dp, self.tp, self.pp, self.ep = dp, tp, pp, ep
+        dp, tp, pp, ep, dp_shard = _check_sizes(world_size, dp, tp, pp, ep, dp_shard)
+        self.dp, self.tp, self.pp, self.ep, self.dp_shard = dp, tp, pp, ep, dp_shard
+        self.dp_replicate = dp // dp_shard
         self.world_size, self.rank = world_size, rank
         self.grid = torch.arange(world_size).reshape(pp, dp, tp)
         (pp_rank, dp_rank, tp_rank), = (self.grid == rank).nonzero().tolist()
         self.pp_rank, self.dp_rank, self.tp_rank = pp_rank, dp_rank, tp_rank
         self.edp_rank, self.ep_rank = divmod(dp_rank, ep)
+        self.replicate_rank, self.shard_rank = divmod(dp_rank, dp_shard)
         self.device = torch.device(device) if device is not None else _default_device()
         self.comm = Comm()
 
@@ -72,30 +81,35 @@ class Mesh:
         self._owned_pgs: list = []
         self.world = AxisGroup("world", tuple(range(world_size)), rank, dist.group.WORLD if world_size > 1 else None)
         # The first collective: every rank must have asked for the same layout.
-        self.comm.check_same("Mesh(dp, tp, pp, ep)", (dp, tp, pp, ep), self.world)
+        self.comm.check_same("Mesh(dp, tp, pp, ep, dp_shard)", (dp, tp, pp, ep, dp_shard), self.world)
+        built: dict[tuple, AxisGroup] = {}  # two axes with the same groups (dp_shard = dp) share them
         for axis in AXES:
-            self._groups[axis] = self._build_axis(axis)
+            self._groups[axis] = self._build_axis(axis, built)
 
     # -- groups ----------------------------------------------------------------
 
-    def _build_axis(self, axis: str) -> AxisGroup:
-        lists = axis_rank_lists(axis, dp=self.dp, tp=self.tp, pp=self.pp, ep=self.ep)
+    def _build_axis(self, axis: str, built: dict) -> AxisGroup:
+        lists = axis_rank_lists(axis, dp=self.dp, tp=self.tp, pp=self.pp, ep=self.ep, dp_shard=self.dp_shard)
         mine = next(r for r in lists if self.rank in r)
         size = len(mine)
+        key = tuple(map(tuple, lists))
         if size == 1:
             return AxisGroup(axis, tuple(mine), 0, None)
         if size == self.world_size:
             return AxisGroup(axis, tuple(mine), mine.index(self.rank), dist.group.WORLD)
+        if key in built:
+            return AxisGroup(axis, tuple(mine), mine.index(self.rank), built[key].pg)
         pg_mine = None
         for ranks in lists:  # every rank creates every group, in the same order
             pg = dist.new_group(ranks)
             if self.rank in ranks:
                 pg_mine = pg
                 self._owned_pgs.append(pg)
-        return AxisGroup(axis, tuple(mine), mine.index(self.rank), pg_mine)
+        built[key] = AxisGroup(axis, tuple(mine), mine.index(self.rank), pg_mine)
+        return built[key]
 
     def group(self, axis: str) -> AxisGroup:
-        """This rank's group along ``axis`` (one of dp, tp, pp, ep, edp)."""
+        """This rank's group along ``axis`` (one of `AXES`)."""
         try:
             return self._groups[axis]
         except KeyError:
@@ -111,12 +125,14 @@ class Mesh:
         self._owned_pgs.clear()
 
     def __repr__(self) -> str:
-        return (f"Mesh(dp={self.dp}, tp={self.tp}, pp={self.pp}, ep={self.ep}; rank {self.rank}: "
+        hsdp = f", dp_shard={self.dp_shard}" if self.dp_shard != self.dp else ""
+        return (f"Mesh(dp={self.dp}, tp={self.tp}, pp={self.pp}, ep={self.ep}{hsdp}; rank {self.rank}: "
                 f"dp_rank={self.dp_rank}, tp_rank={self.tp_rank}, pp_rank={self.pp_rank}, "
                 f"ep_rank={self.ep_rank}, device={self.device})")
 
 
-def init(dp: int | None = None, tp: int = 1, pp: int = 1, ep: int = 1, backend: str | None = None) -> Mesh:
+def init(dp: int | None = None, tp: int = 1, pp: int = 1, ep: int = 1, backend: str | None = None,
+         dp_shard: int | None = None) -> Mesh:
     """Initialise torch.distributed if needed and return the `Mesh`.
 
     Reads the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
@@ -145,7 +161,7 @@ def init(dp: int | None = None, tp: int = 1, pp: int = 1, ep: int = 1, backend: 
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
             dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    return Mesh(dp=dp, tp=tp, pp=pp, ep=ep)
+    return Mesh(dp=dp, tp=tp, pp=pp, ep=ep, dp_shard=dp_shard)
 
 
 def _restart_store() -> dist.Store:
@@ -179,7 +195,8 @@ def shutdown() -> None:
     gc.collect()
 
 
-def axis_rank_lists(axis: str, *, dp: int, tp: int = 1, pp: int = 1, ep: int = 1) -> list[list[int]]:
+def axis_rank_lists(axis: str, *, dp: int, tp: int = 1, pp: int = 1, ep: int = 1,
+                    dp_shard: int | None = None) -> list[list[int]]:
     """Every group of ``axis`` as a list of global ranks, in one fixed order (pure: no processes needed)."""
     g = torch.arange(pp * dp * tp).reshape(pp, dp, tp)
     if axis == "tp":
@@ -188,6 +205,12 @@ def axis_rank_lists(axis: str, *, dp: int, tp: int = 1, pp: int = 1, ep: int = 1
         return g.permute(0, 2, 1).reshape(-1, dp).tolist()
     if axis == "pp":
         return g.permute(1, 2, 0).reshape(-1, pp).tolist()
+    if axis in ("dp_shard", "dp_replicate"):
+        shard = dp if dp_shard is None else dp_shard
+        g5 = g.reshape(pp, dp // shard, shard, tp)  # dp split into (replicate, shard), shard fastest
+        if axis == "dp_shard":
+            return g5.permute(0, 1, 3, 2).reshape(-1, shard).tolist()
+        return g5.permute(0, 2, 3, 1).reshape(-1, dp // shard).tolist()
     g5 = g.reshape(pp, dp // ep, ep, tp)  # dp split into (edp, ep), ep fastest
     if axis == "ep":
         return g5.permute(0, 1, 3, 2).reshape(-1, ep).tolist()
@@ -202,8 +225,10 @@ def _default_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _check_sizes(world_size: int, dp, tp, pp, ep) -> tuple[int, int, int, int]:
-    for name, v in (("tp", tp), ("pp", pp), ("ep", ep)) + ((("dp", dp),) if dp is not None else ()):
+def _check_sizes(world_size: int, dp, tp, pp, ep, dp_shard=None) -> tuple[int, int, int, int, int]:
+    given = (("tp", tp), ("pp", pp), ("ep", ep)) + ((("dp", dp),) if dp is not None else ()) + \
+        ((("dp_shard", dp_shard),) if dp_shard is not None else ())
+    for name, v in given:
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"mesh size {name}={v!r} must be a positive integer")
     if dp is None:
@@ -216,4 +241,9 @@ def _check_sizes(world_size: int, dp, tp, pp, ep) -> tuple[int, int, int, int]:
                          f"{world_size}; pass sizes whose product is {world_size} (or dp=None to infer it)")
     if dp % ep:
         raise ValueError(f"ep={ep} must divide dp={dp}: expert parallelism splits the data-parallel axis")
-    return dp, tp, pp, ep
+    if dp_shard is None:
+        dp_shard = dp
+    if dp % dp_shard:
+        raise ValueError(f"dp_shard={dp_shard} must divide dp={dp}: HSDP splits the data-parallel ranks into "
+                         f"shard groups of dp_shard and replicates across dp / dp_shard of them")
+    return dp, tp, pp, ep, dp_shard

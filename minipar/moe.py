@@ -28,7 +28,12 @@ Routing groups. Capacity, drops and the auxiliary losses are computed per
 routing group: the tokens one rank routes in one forward. The single-process
 reference of ``R`` ranks' data sets ``route_groups = R`` and routes each
 rank's contiguous share of the batch separately, which is what makes the two
-equal (GShard's "groups").
+equal (GShard's "groups"). Under sequence parallelism each tensor-parallel
+rank routes its own slice of the sequence: the reference also sets
+``route_seq_chunks = tp`` and routes each (batch share, sequence slice) apart.
+There the layer's parameters are placed ``sequence_parallel`` (their gradients
+summed over tp, as a norm's) and ``sequence_shards = tp`` divides each rank's
+auxiliary-loss gradient, so that the sum over tp is the mean over groups.
 
 Auxiliary losses (per group, then averaged over groups):
 
@@ -59,6 +64,7 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from einops import rearrange
 
 from . import regions
 from .placement import place
@@ -164,7 +170,9 @@ class MoELayer(nn.Module):
             for p in (self.gate.weight, self.w1, self.w2):
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
         self.route_groups = 1          # > 1 only in a single-process reference of several ranks
+        self.route_seq_chunks = 1      # the same, for ranks that hold slices of the sequence
         self.aux_scale = 1.0           # 1/m when the loss is a mean over m micro-batches
+        self.sequence_shards = 1       # tp under sequence parallelism: the ranks routing one sequence
         self.comm = self.ep_group = None
         self.ep_rank, self.ep_size = 0, 1
         self.last_aux = self.last_z = None
@@ -189,21 +197,29 @@ class MoELayer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (..., d_model) -> (..., d_model); each token the weighted sum of its kept experts' outputs."""
         shape = x.shape
-        tokens = x.reshape(-1, shape[-1])
+        g, s = self.route_groups, self.route_seq_chunks
+        if s > 1:  # (batch share, sequence slice) groups, as the ranks of a sequence-parallel run hold them
+            groups = rearrange(x, "(g b) (s t) d -> (g s) (b t) d", g=g, s=s).unbind(0)
+        else:
+            tokens = x.reshape(-1, shape[-1])
+            groups = tokens.chunk(g) if g > 1 else (tokens,)
         outs, auxes, zs, dropped = [], [], [], 0
         self.last_counts: list[torch.Tensor] = []  # per routing group: kept rows per expert
-        for group in tokens.chunk(self.route_groups) if self.route_groups > 1 else (tokens,):
+        for group in groups:
             out, aux, z, n_dropped = self._forward_group(group)
             outs.append(out)
             auxes.append(aux)
             zs.append(z)
             dropped += n_dropped
-        out = torch.cat(outs) if len(outs) > 1 else outs[0]
+        if s > 1:
+            out = rearrange(torch.stack(outs), "(g s) (b t) d -> (g b) (s t) d", g=g, s=s, t=shape[1] // s)
+        else:
+            out = torch.cat(outs) if len(outs) > 1 else outs[0]
         aux, z = torch.stack(auxes).mean(), torch.stack(zs).mean()
         self.last_aux, self.last_z, self.last_dropped = aux.detach(), z.detach(), dropped
         if self.training and torch.is_grad_enabled():
             extra = self.aux_loss_coef * aux + self.z_loss_coef * z
-            out = _AddAuxLoss.apply(out, extra, self.aux_scale)
+            out = _AddAuxLoss.apply(out, extra, self.aux_scale / self.sequence_shards)
         return out.reshape(shape)
 
     def _forward_group(self, x: torch.Tensor):

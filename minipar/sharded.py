@@ -36,7 +36,7 @@ from .pipeline import GPTStage, default_boundaries, resolve_boundaries
 from .pipeline.step import Pipeline
 from .precision import FP32, MixedPrecision
 from .strategy import Strategy
-from .tensor_parallel import parallelize, vocab_parallel_cross_entropy
+from .tensor_parallel import mark_sequence_parallel, parallelize, vocab_parallel_cross_entropy
 from .zero import Zero1, Zero2
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")  # "fsdp" is another name for "zero3"
@@ -118,13 +118,10 @@ class ShardedModule(nn.Module):
                                 record_timeline, seq_divisor=mesh.tp if sequence_parallel else 1)
             boundaries = default_boundaries(module, mesh.pp) if pipeline_boundaries is None else \
                 resolve_boundaries(pipeline_boundaries, module.config.n_layer, mesh.pp)  # bad cuts -> ValueError
+        if mesh.dp_shard != mesh.dp and strategy == "ddp":
+            raise ValueError(f"the mesh has dp_shard={mesh.dp_shard} (HSDP) but DDP shards nothing; use "
+                             "strategy='zero1', 'zero2' or 'zero3', or build the mesh without dp_shard")
         experts = moe_layers(module)
-        if experts and strategy != "ddp":
-            raise ValueError("mixture-of-experts layers train with strategy='ddp' (expert gradients reduced over "
-                             "the edp group); the ZeRO stages do not shard expert parameters yet")
-        if experts and sequence_parallel:
-            raise ValueError("sequence parallelism with mixture-of-experts layers is not supported; "
-                             "set sequence_parallel=False")
         if mesh.ep > 1 and not experts:
             raise ValueError(f"the mesh has ep={mesh.ep} but {type(module).__name__} has no MoE layers: "
                              "expert parallelism has nothing to split; build the mesh with ep=1")
@@ -155,15 +152,20 @@ class ShardedModule(nn.Module):
         if mesh.tp > 1:
             plan = tp_plan if tp_plan is not None else module.tp_plan(mesh.tp, sequence_parallel=sequence_parallel)
         if mesh.pp > 1:  # keep only this stage's pieces of the model
-            module = GPTStage(module, mesh.pp_rank, mesh.pp, boundaries)
-            if plan is not None:  # a stage has only some of the modules the plan names
-                names = [n for n, _ in module.named_modules() if n]
-                plan = {k: v for k, v in plan.items() if any(fnmatch.fnmatchcase(n, k) for n in names)}
+            whole, module = module, GPTStage(module, mesh.pp_rank, mesh.pp, boundaries)
+            if plan is not None:  # the plan's modules that this stage holds, under the stage's names
+                plan = stage_plan(plan, whole, module)
         self.module = module.to(mesh.device)
         if plan is not None:  # tensor parallelism first: the data-parallel strategy then sees this rank's shards
             parallelize(self.module, mesh, plan, sequence_parallel=sequence_parallel)
+        self._moe_sequence_parallel = bool(experts) and sequence_parallel and mesh.tp > 1
         if experts:  # this rank keeps its E / ep experts; tokens reach the others by all-to-all
             shard_experts(self.module, mesh)
+            if self._moe_sequence_parallel:  # each tp rank routes its own slice of the sequence
+                for layer in moe_layers(self.module):
+                    layer.sequence_shards = mesh.tp
+                    for p in layer.parameters():
+                        mark_sequence_parallel(p, mesh)
         self.checkpointed = checkpoint_modules(self.module, activation_checkpointing, mesh.device) \
             if activation_checkpointing is not False else []
         policy = mixed_precision or FP32
@@ -251,9 +253,12 @@ class ShardedModule(nn.Module):
         part = torch.tensor([sum(float(m.last_aux) for m in layers), sum(float(m.last_z) for m in layers),
                              float(len(layers)), float(sum(m.last_dropped for m in layers))],
                             dtype=torch.float64, device=self.mesh.device)
-        # stages hold different layers; dp ranks route different tokens; tp ranks route the same ones
+        # stages hold different layers; dp ranks route different tokens; tp ranks route the same ones,
+        # or under sequence parallelism different slices of them
         self.mesh.comm.all_reduce(part, self.mesh.group("pp"), tag="moe_stats")
         self.mesh.comm.all_reduce(part, self.mesh.group("dp"), tag="moe_stats")
+        if self._moe_sequence_parallel:  # the same on every stage, whether it holds MoE layers or not
+            self.mesh.comm.all_reduce(part, self.mesh.group("tp"), tag="moe_stats")
         aux, z, n, dropped = part.tolist()
         return {"aux": aux / n, "z": z / n, "dropped": int(dropped)} if n else {}
 
@@ -290,3 +295,15 @@ class ShardedModule(nn.Module):
                                                       tag="state_dict")
             out = {k: v for part in stages for k, v in part.items()}
         return out
+
+
+def stage_plan(plan: dict, whole: nn.Module, stage: nn.Module) -> dict:
+    """``plan`` (patterns over ``whole``'s module names) as concrete names of the modules ``stage``
+    holds, under the stage's names (its ``layers.k`` is the model's ``layers.(offset + k)``)."""
+    in_stage = {id(m): n for n, m in stage.named_modules() if n}
+    out = {}
+    for pattern, style in plan.items():
+        for n, m in whole.named_modules():
+            if n and id(m) in in_stage and fnmatch.fnmatchcase(n, pattern):
+                out[in_stage[id(m)]] = style
+    return out

@@ -29,9 +29,12 @@ import torch
 import torch.nn as nn
 
 from . import kernels
-from .comm import AxisGroup, Comm
-from .flat import ShardGroup
+from .comm import AxisGroup
+from .ddp import broadcast_from_rank0
+from .flat import FlatLayout, ShardGroup
 from .grad_norm import GradPiece
+from .mesh import Mesh
+from .placement import placement_of
 from .precision import LossScaler, MixedPrecision
 from .strategy import Strategy, optimizer_state_tensors, storage_bytes
 
@@ -52,9 +55,9 @@ class ShardedState(Strategy):
     stage: int
     local_accumulation = False  # no_sync accumulates in p.grad (stage 1; 2 and 3 under a pipeline)
 
-    def __init__(self, comm: Comm, group: AxisGroup, world: AxisGroup, tp: AxisGroup, policy: MixedPrecision,
-                 offload: bool) -> None:
-        self.comm, self.group, self.world, self.tp = comm, group, world, tp
+    def __init__(self, mesh: Mesh, policy: MixedPrecision, offload: bool) -> None:
+        self.mesh, self.comm, self.world = mesh, mesh.comm, mesh.world
+        self.group = mesh.group("dp")
         self.policy, self.offload = policy, offload
         self.scaler = LossScaler(policy.init_scale, policy.growth_interval, policy.uses_loss_scaling)
         self.groups: list[ShardGroup] = []
@@ -64,13 +67,48 @@ class ShardedState(Strategy):
         self._found_inf = False
         self._shards_written = False  # the fused step wrote the compute shards already
 
+    def shard_axes(self, module: nn.Module, params: list[nn.Parameter]) -> list[tuple[list[nn.Parameter], AxisGroup]]:
+        """``params`` split by the axis their flat groups shard over, each kept in the order given:
+        dense parameters over dp (dp_shard under HSDP), experts over edp (the replicas of the same
+        experts). Parameters (and ``module``'s buffers) start equal over the ranks that replicate
+        them: the first one's are broadcast, over dp for dense ones, over edp for experts."""
+        dense = [p for p in params if not placement_of(p).expert]
+        experts = [p for p in params if placement_of(p).expert]
+        broadcast_from_rank0(dense + list(module.buffers()), self.comm, self.group)
+        hsdp = self.mesh.dp_shard != self.mesh.dp
+        out = [(dense, self.mesh.group("dp_shard" if hsdp else "dp"))] if dense else []
+        if experts:
+            broadcast_from_rank0(experts, self.comm, self.mesh.group("edp"))
+            out.append((experts, self.mesh.group("edp")))
+        return out
+
+    def shard_group(self, layout: FlatLayout, shard: torch.Tensor, master: nn.Parameter,
+                    grad_shard: torch.Tensor | None, axis: AxisGroup) -> ShardGroup:
+        """A `ShardGroup` over ``axis``, averaged over the whole dp, with its HSDP replicas if any."""
+        replicas = self.mesh.group("dp_replicate") if axis.name == "dp_shard" else None
+        return ShardGroup(layout, shard, master, grad_shard, axis, self.mesh.dp,
+                          replicas if replicas is not None and replicas.size > 1 else None)
+
     # Stages override these two.
-    def sync_grads(self) -> None:
-        """Make every group's grad_shard hold the reduced gradient of every backward so far
-        (a stage with local accumulation communicates here)."""
+    def reduce_shards(self) -> None:
+        """Make every group's grad_shard hold its shard group's reduced gradient of every backward
+        so far (a stage with local accumulation communicates here)."""
 
     def spread_params(self) -> None:
         """After the masters were written into the shards: make full parameters current (stages 1, 2)."""
+
+    @torch.no_grad()
+    def sync_grads(self) -> None:
+        """The reduced gradient in every grad_shard: the stage reduces within its shard groups, then
+        (HSDP) each shard is all-reduced over its replicas, once per step whatever the micro-batches."""
+        self.reduce_shards()
+        works = []
+        for g in self.groups:
+            if g.replicas is not None and not g.replicated:
+                works.append(self.comm.all_reduce(g.grad_shard, g.replicas, async_op=True, tag="grad"))
+                g.replicated = True
+        for w in works:
+            w.wait()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -106,7 +144,7 @@ class ShardedState(Strategy):
         """This rank's slice of each parameter's reduced gradient (views into the gradient shards,
         padding excluded), a shard over the data-parallel axis."""
         self.sync_grads()
-        return [GradPiece(p, g.grad_shard[a:b], self.group.name) for g in self.groups
+        return [GradPiece(p, g.grad_shard[a:b], g.axis.name) for g in self.groups
                 for p, a, b in g.layout.local_pieces()]
 
     # -- the step --------------------------------------------------------------
@@ -162,6 +200,7 @@ class ShardedState(Strategy):
     def zero_grad(self) -> None:
         for g in self.groups:
             g.master.grad = None
+            g.replicated = False
             if g.grad_shard is not None:
                 g.grad_shard.zero_()
         self._unscaled = False
@@ -202,6 +241,17 @@ class ShardedState(Strategy):
         self.sync_grads()
         return self._gather([g.real_grad for g in self.groups])
 
+    def stepped_ranges(self) -> dict[int, tuple[torch.Tensor, int, int, int, bool]]:
+        out = {}
+        for g in self.groups:
+            lay, off = g.layout, 0
+            primary = g.replicas is None or g.replicas.rank == 0
+            for p in lay.params:
+                a, b = max(off, lay.lo), min(off + p.numel(), lay.lo + lay.real_len)
+                out[id(p)] = (g.master, a - lay.lo, a - off, b - off, primary) if a < b else (g.master, 0, 0, 0, primary)
+                off += p.numel()
+        return out
+
     @torch.no_grad()
     def _gather(self, real_parts: list[torch.Tensor]) -> dict[int, torch.Tensor]:
         out: dict[int, torch.Tensor] = {}
@@ -210,7 +260,7 @@ class ShardedState(Strategy):
             mine = torch.zeros(lay.shard_size, dtype=torch.float32, device=g.shard.device)
             mine[: lay.real_len].copy_(real)
             full = torch.empty(lay.padded, dtype=torch.float32, device=g.shard.device)
-            self.comm.all_gather(full, mine, self.group, tag="state_dict")
+            self.comm.all_gather(full, mine, g.axis, tag="state_dict")
             for p, view in zip(lay.params, lay.views(full)):
                 out[id(p)] = view
         return out

@@ -14,6 +14,7 @@ them without knowing which one they hold::
     zero_grad()          forget the gradients, wherever the strategy keeps them
     memory_stats()       bytes of persistent parameters, gradients and optimizer state
     full_params(), full_grads()   {id(param): full tensor} (layout-free state, for state dicts)
+    stepped_ranges()     which elements of each parameter this rank's optimizer steps (checkpoints)
 
 A gradient's life under this protocol: backward leaves it in ``p.grad`` (or,
 synchronising, the strategy moves it into its buckets and reduces it there);
@@ -75,6 +76,12 @@ class Strategy(abc.ABC):
     @abc.abstractmethod
     def full_grads(self) -> dict[int, torch.Tensor]:
         ...
+
+    def stepped_ranges(self) -> dict[int, tuple[torch.Tensor, int, int, int, bool]]:
+        """{id(param): (owner, at, lo, hi, primary)} for each parameter the optimizer does not step
+        in place (ZeRO): elements [lo, hi) of the flattened parameter are ``owner[at:at + hi - lo]``;
+        ``primary``: this rank is the first of the ranks holding that same range (HSDP replicas)."""
+        return {}
 
     def refresh_params(self) -> None:
         """After the tensors the optimizer steps were overwritten (a checkpoint load): make the

@@ -44,7 +44,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .ddp import broadcast_from_rank0, bucket_params, signature
+from .ddp import bucket_params, signature
 from .flat import FlatLayout, ShardGroup
 from .grad_buckets import GradStaging, LaunchOrder, claim, divide_into
 from .mesh import Mesh
@@ -61,16 +61,17 @@ class _BucketedShards(ShardedState):
 
     def __init__(self, module: nn.Module, mesh: Mesh, policy: MixedPrecision, offload: bool,
                  bucket_cap_mb: float) -> None:
-        super().__init__(mesh.comm, mesh.group("dp"), mesh.world, mesh.group("tp"), policy, offload)
+        super().__init__(mesh, policy, offload)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.comm.check_same(f"the zero{self.stage} configuration", {
             "policy": repr(policy), "offload": offload, "bucket_cap_mb": bucket_cap_mb,
             "parameters": signature(named)}, self.group)
-        broadcast_from_rank0(module, self.comm, self.group)
         cap = max(1, int(bucket_cap_mb * 2**20))
-        self._setup(module, mesh, bucket_params([p for _, p in reversed(named)], cap))
+        # Buckets in backward order, dense ones first, each over its shard axis (experts: edp).
+        self._setup(mesh, [(bucket, axis) for params, axis in self.shard_axes(module, [p for _, p in reversed(named)])
+                           for bucket in bucket_params(params, cap)])
         self.buckets = self._make_buckets()
-        self.order = LaunchOrder(self.buckets, self.comm, self.group)
+        self.order = LaunchOrder(self.buckets, self.comm)
         self._callback_queued = False
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(b, i))
                        for b in self.buckets for i, p in enumerate(b.group.layout.params)]
@@ -87,11 +88,11 @@ class _BucketedShards(ShardedState):
         for b in self.order.unlaunched():
             for i, p in enumerate(b.group.layout.params):
                 if not b.ready[i] and p.grad is not None:
-                    b.add(i, p.grad, self.group.size)
+                    b.add(i, p.grad)
                     p.grad = None
 
     @torch.no_grad()
-    def sync_grads(self) -> None:
+    def reduce_shards(self) -> None:
         if self._shards_current:
             return
         self._add_unreported_grads()  # the step came after a no_sync backward (or none): reduce now
@@ -105,7 +106,7 @@ class _BucketedShards(ShardedState):
             if not self._callback_queued:
                 self._callback_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-            b.add(i, p.grad, self.group.size)
+            b.add(i, p.grad)
             p.grad = None  # moved into the bucket (and freed at once: the next layer's gradient reuses it)
             self.order.launch_ready()  # in bucket order, on every rank alike
         return hook
@@ -119,18 +120,18 @@ class _BucketedShards(ShardedState):
     def _make_buckets(self) -> list:
         raise NotImplementedError
 
-    def _setup(self, module: nn.Module, mesh: Mesh, groups_of_params: list[list[nn.Parameter]]) -> None:
+    def _setup(self, mesh: Mesh, groups_of_params: list[tuple[list[nn.Parameter], AxisGroup]]) -> None:
         dtype = self.policy.param_dtype
         self.flat_params: list[torch.Tensor] = []
-        for params in groups_of_params:
-            layout = FlatLayout.of(params, self.group.size, self.group.rank)
+        for params, axis in groups_of_params:
+            layout = FlatLayout.of(params, axis.size, axis.rank)
             full_fp32 = layout.flatten([p.detach() for p in params], torch.float32, mesh.device)
             flat = full_fp32 if dtype == torch.float32 else full_fp32.to(dtype)
             for p, view in zip(params, layout.views(flat)):
                 p.data = view  # the module computes with views into the flat buffer
             shard = flat[layout.lo: layout.lo + layout.shard_size]
             real = full_fp32[layout.lo: layout.lo + layout.real_len]
-            self.groups.append(ShardGroup(layout, shard, make_master(shard, real, self.offload), None))
+            self.groups.append(self.shard_group(layout, shard, make_master(shard, real, self.offload), None, axis))
             self.flat_params.append(flat)
 
     @torch.no_grad()
@@ -138,7 +139,7 @@ class _BucketedShards(ShardedState):
         works = []
         for g, flat in zip(self.groups, self.flat_params):
             # In place: the shard is the output's own slice (comm.all_gather allows that alias).
-            works.append(self.comm.all_gather(flat, g.shard, self.group, async_op=True, tag="param"))
+            works.append(self.comm.all_gather(flat, g.shard, g.axis, async_op=True, tag="param"))
         for w in works:
             w.wait()
 
@@ -182,19 +183,20 @@ class FullGrads:
             lo, hi = self._own
             self.flat[:lo].zero_()
             self.flat[hi:].zero_()
+            self.group.unreplicate()
             self._landed = False
 
-    def add(self, i: int, grad: torch.Tensor, divisor: int) -> None:
+    def add(self, i: int, grad: torch.Tensor) -> None:
         """Add ``grad / divisor`` into parameter ``i``'s view (the sum over ranks is the mean)."""
         claim(self.ready, i)
         self._begin()
-        view = self._views[i]
+        view, divisor = self._views[i], self.group.divisor
         if self._fresh:
             divide_into(view, grad, divisor)
         else:
             view.add_(grad.to(view.dtype) / divisor)
 
-    def launch(self, comm: Comm, axis: AxisGroup) -> None:
+    def launch(self, comm: Comm) -> None:
         self._begin()
         if self._fresh:
             for view, ready in zip(self._views, self.ready):
@@ -205,7 +207,7 @@ class FullGrads:
         # In place (this rank's slice is the output): NCCL reduces in place at the rank offset; gloo's
         # path all-reduces the whole buffer, which is ours to overwrite: its other slices are zeroed
         # before they are used again.
-        self._work = comm.reduce_scatter(self.group.grad_shard, self.flat, axis, async_op=True, tag="grad",
+        self._work = comm.reduce_scatter(self.group.grad_shard, self.flat, self.group.axis, async_op=True, tag="grad",
                                          input_is_scratch=True)
 
     def land(self) -> None:
@@ -218,6 +220,7 @@ class FullGrads:
     def reset(self) -> None:
         """zero_grad: the contents no longer matter; the next gradients overwrite them."""
         self._fresh, self._landed = True, False
+        self.group.replicated = False
 
 
 class Zero1(_BucketedShards):

@@ -26,6 +26,8 @@ class MoEGPTConfig(GPTConfig):
     z_loss_coef: float = 0.001
     expert_hidden: int | None = None   # each expert's hidden width; default 4 * n_embd
     route_groups: int = 1
+    route_seq_chunks: int = 1          # the reference of a sequence-parallel run: tp
+    moe_blocks: tuple[int, ...] | None = None  # which blocks get an MoE MLP; default every block
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -37,17 +39,22 @@ class MoEGPT(GPT):
         super().__init__(cfg)
         hidden = cfg.expert_hidden or 4 * cfg.n_embd
         for i, block in enumerate(self.layers):
+            if cfg.moe_blocks is not None and i not in cfg.moe_blocks:
+                continue  # this block keeps the dense MLP
             block.mlp = MoELayer(cfg.n_embd, hidden, cfg.n_experts, cfg.top_k, cfg.capacity_factor,
                                  cfg.aux_loss_coef, cfg.z_loss_coef, seed=cfg.seed * 7919 + i + 1)
-            block.mlp.route_groups = cfg.route_groups
+            block.mlp.route_groups, block.mlp.route_seq_chunks = cfg.route_groups, cfg.route_seq_chunks
 
     def tp_plan(self, tp: int, sequence_parallel: bool = False, gather_logits: bool = False) -> dict:
-        """The dense GPT's plan without the MLP entries: the MoE layers run replicated on every
-        tensor-parallel rank (their experts are split over ep, not tp)."""
-        if sequence_parallel:
-            raise ValueError("sequence parallelism with mixture-of-experts layers is not supported")
-        plan = super().tp_plan(tp, sequence_parallel=False, gather_logits=gather_logits)
-        return {k: v for k, v in plan.items() if ".mlp." not in k}
+        """The dense GPT's plan without the MoE blocks' MLP entries: the MoE layers run replicated on
+        every tensor-parallel rank (their experts are split over ep, not tp), on the whole sequence,
+        or under sequence parallelism on this rank's slice of it."""
+        plan = super().tp_plan(tp, sequence_parallel=sequence_parallel, gather_logits=gather_logits)
+        if self.config.moe_blocks is None:
+            return {k: v for k, v in plan.items() if ".mlp" not in k}
+        dense = [str(i) for i in range(self.config.n_layer) if i not in self.config.moe_blocks]
+        return {k.replace("layers.*.", f"layers.{i}."): v for k, v in plan.items() for i in dense if ".mlp" in k} | \
+            {k: v for k, v in plan.items() if ".mlp" not in k}
 
     def moe_stats(self) -> dict[str, float]:
         """Auxiliary loss, z-loss (means over layers) and dropped assignments of the last forward."""

@@ -110,7 +110,8 @@ def _resume(ctx, layout, strategy, cfg, precision, data, path):
 RESUME_LAYOUTS = [
     (2, {}, "ddp", None), (2, {}, "zero1", FP16), (2, {}, "zero2", None), (2, {}, "zero3", None),
     (4, {"tp": 2}, "zero3", None), (2, {"pp": 2}, "ddp", None), (8, {"dp": 2, "tp": 2, "pp": 2}, "ddp", None),
-    (2, {"dp": 2, "ep": 2}, "ddp", None),  # the MoE GPT (experts need ep; MoE trains with ddp), 2 experts per rank
+    (2, {"dp": 2, "ep": 2}, "ddp", None),  # the MoE GPT (an ep layout), 2 experts per rank
+    (4, {"dp": 4, "ep": 2}, "zero2", None),  # the MoE GPT under ZeRO: experts sharded over edp (2 ranks)
 ]
 
 
@@ -188,12 +189,14 @@ def _reference(cfg: dict, data: torch.Tensor, groups: tuple[int, int] = (1, 1)):
 LAYOUTS = [
     (1, {}, "ddp"), (2, {}, "zero2"), (4, {}, "zero3"), (4, {"tp": 2}, "ddp"), (4, {"tp": 2}, "zero1"),
     (2, {"pp": 2}, "ddp"), (4, {"pp": 2, "tp": 2}, "ddp"), (4, {"pp": 2, "dp": 2}, "ddp"), (2, {"tp": 2}, "zero3"),
+    (4, {"dp_shard": 2}, "zero3"), (4, {"dp_shard": 2}, "zero2"),  # HSDP: replicas of a shard save it once
 ]
 
 
 @example(source=LAYOUTS[2], target=LAYOUTS[4], tie=True, seed=0)   # zero3 at dp=4 -> tp=2 x dp=2 (zero1)
 @example(source=LAYOUTS[6], target=LAYOUTS[1], tie=True, seed=1)   # pp x tp -> zero2
 @example(source=LAYOUTS[1], target=LAYOUTS[0], tie=False, seed=0)  # zero2 -> one process: one master, many params
+@example(source=LAYOUTS[9], target=LAYOUTS[10], tie=True, seed=2)  # HSDP zero3 -> HSDP zero2
 @given(source=st.sampled_from(LAYOUTS), target=st.sampled_from(LAYOUTS), tie=st.booleans(),
        seed=st.integers(0, 2**16))
 @settings(max_examples=8)
@@ -218,10 +221,13 @@ def test_reshard_to_any_layout(pools, tmp_path_factory, source, target, tie, see
             torch.testing.assert_close(state[k], v, msg=lambda m: f"{k} after resharding {source} -> {target}: {m}")
 
 
-MOE_RESHARDS = [((2, {"dp": 2, "ep": 2}), (1, {})), ((2, {"dp": 2, "ep": 2}), (2, {"dp": 2, "ep": 1}))]
+MOE_RESHARDS = [((2, {"dp": 2, "ep": 2}, "ddp"), (1, {}, "ddp")),
+                ((2, {"dp": 2, "ep": 2}, "ddp"), (2, {"dp": 2, "ep": 1}, "ddp")),
+                ((4, {"dp": 4, "ep": 2}, "zero3"), (2, {"dp": 2, "ep": 1}, "zero1"))]
 
 
-@pytest.mark.parametrize("source, target", MOE_RESHARDS, ids=["ep2-to-one-process", "ep2-to-dp2-ep1"])
+@pytest.mark.parametrize("source, target", MOE_RESHARDS,
+                         ids=["ep2-to-one-process", "ep2-to-dp2-ep1", "zero3-dp4-ep2-to-zero1-dp2"])
 def test_reshard_expert_parallel_moe(pools, tmp_path, source, target):
     """The MoE GPT saved at ep=2 (each rank holding 2 of the 4 experts of each layer) and loaded
     with every expert on every rank: the losses of the next three steps and the final parameters
@@ -230,16 +236,16 @@ def test_reshard_expert_parallel_moe(pools, tmp_path, source, target):
     cfg = _moe_cfg(dropout=0.0, seed=5)  # dropout streams are per rank: not portable
     data = _data(6, 4)
     path = tmp_path / "ckpt"
-    (w1, l1), (w2, l2) = source, target
+    (w1, l1, s1), (w2, l2, s2) = source, target
     groups = (l1.get("dp", w1), l2.get("dp", w2))
     ref_losses, ref_after3, ref_final = _reference(cfg, data, groups)
-    first = pools.run(w1, _train_and_save, l1, "ddp", cfg, data, path)[0]
+    first = pools.run(w1, _train_and_save, l1, s1, cfg, data, path)[0]
     torch.testing.assert_close(torch.tensor(first), torch.tensor(ref_losses[:3]))
     consolidated = checkpoint.consolidate(path)
     _model(cfg).load_state_dict(consolidated)  # strict: every key (the full expert stacks), no extra
     for k, v in ref_after3.items():
         torch.testing.assert_close(consolidated[k], v, msg=lambda m: f"consolidated {k}: {m}")
-    for losses, state in pools.run(w2, _load_and_train, l2, "ddp", cfg, data, path):
+    for losses, state in pools.run(w2, _load_and_train, l2, s2, cfg, data, path):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses[3:]))
         for k, v in ref_final.items():
             torch.testing.assert_close(state[k], v, msg=lambda m: f"{k} after resharding {source} -> {target}: {m}")

@@ -248,42 +248,63 @@ def test_expert_gradients_are_scaled_by_the_whole_data_parallel_size(pools, layo
 
 # -- the MoE GPT under ShardedModule -----------------------------------------------------------
 
-def _train_gpt(ctx, layout, cfg, data, m):
+def _train_gpt(ctx, layout, cfg, data, m, options):
     mesh = Mesh(**layout)
     kwargs = dict(microbatches=m) if mesh.pp > 1 else {}
-    model = ShardedModule(MoEGPT(MoEGPTConfig(**cfg)), mesh=mesh, bucket_cap_mb=1e-3, **kwargs)
+    model = ShardedModule(MoEGPT(MoEGPTConfig(**cfg)), mesh=mesh, bucket_cap_mb=1e-3, **kwargs, **options)
     opt = model.build_optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD, eps=EPS)
     local = data.shape[1] // mesh.dp
-    losses = []
+    losses, norms = [], []
     for s in range(data.shape[0]):
         x = data[s, mesh.dp_rank * local:(mesh.dp_rank + 1) * local]
         losses.append(model.train_step(x[:, :-1], x[:, 1:], model.cross_entropy).item())
-        model.clip_grad_norm_(0.05)
+        norms.append(model.clip_grad_norm_(0.05).item())
         opt.step()
         opt.zero_grad()
         stats = model.moe_stats()  # the whole job's figures of this step's (last) forward
     state = model.full_state_dict()
     mesh.destroy()
-    return losses, state, stats
+    return losses, norms, state, stats
 
 
-GPT_LAYOUTS = [(2, dict(dp=2, ep=2), 1), (4, dict(dp=2, ep=2, tp=2), 1), (4, dict(dp=2, ep=2, pp=2), 2),
-               (4, dict(dp=4, ep=2), 1)]
+# (world, mesh sizes, micro-batches, ShardedModule options, model options)
+GPT_LAYOUTS = {
+    "dp2_ep2": (2, dict(dp=2, ep=2), 1, {}, {}),
+    "tp2_dp2_ep2": (4, dict(dp=2, ep=2, tp=2), 1, {}, {}),
+    "pp2_dp2_ep2_m2": (4, dict(dp=2, ep=2, pp=2), 2, {}, {}),
+    "dp4_ep2": (4, dict(dp=4, ep=2), 1, {}, {}),
+    # MoE under ZeRO: dense parameters sharded over dp, experts over edp
+    "zero1_dp4_ep2": (4, dict(dp=4, ep=2), 1, dict(strategy="zero1"), {}),
+    "zero2_dp4_ep4": (4, dict(dp=4, ep=4), 1, dict(strategy="zero2"), {}),
+    "zero3_dp4_ep2": (4, dict(dp=4, ep=2), 1, dict(strategy="zero3"), {}),
+    "zero3_tp2_dp2_ep2": (4, dict(dp=2, ep=2, tp=2), 1, dict(strategy="zero3"), {}),
+    # a pipeline stage without any MoE layer (block 0 dense: stage 0 holds no expert)
+    "zero1_pp2_dp2_ep2_m2_dense_stage": (4, dict(dp=2, ep=2, pp=2), 2, dict(strategy="zero1"), dict(moe_blocks=(1,))),
+    "zero3_pp2_dp2_ep2_m2_dense_stage": (4, dict(dp=2, ep=2, pp=2), 2, dict(strategy="zero3"), dict(moe_blocks=(1,))),
+    # sequence parallelism: each tp rank routes its own slice of the sequence
+    "sp_tp2_dp2_ep2": (4, dict(dp=2, ep=2, tp=2), 1, dict(sequence_parallel=True), {}),
+    "sp_zero2_tp2_dp2_ep2": (4, dict(dp=2, ep=2, tp=2), 1, dict(strategy="zero2", sequence_parallel=True), {}),
+    "sp_zero3_tp2_pp2_m2": (4, dict(dp=1, tp=2, pp=2), 2, dict(strategy="zero3", sequence_parallel=True),
+                            dict(moe_blocks=(0,))),
+}
 
 
-@pytest.mark.parametrize("layout", GPT_LAYOUTS, ids=["dp2_ep2", "tp2_dp2_ep2", "pp2_dp2_ep2_m2", "dp4_ep2"])
-def test_moe_gpt_equals_single_process(pools, layout):
+@pytest.mark.parametrize("name", list(GPT_LAYOUTS))
+def test_moe_gpt_equals_single_process(pools, name):
     """The MoE GPT (top-2, capacity factor 1.0: some tokens dropped) trained three steps under
-    expert parallelism, alone and composed with dp, tp and pp, equals the single-process MoE GPT
-    routing each rank's (each micro-batch's) share of the global batch as its own group."""
-    world, sizes, m = layout
-    dp = sizes["dp"]
+    expert parallelism, alone and composed with dp, tp (with and without sequence parallelism), pp
+    and every ZeRO stage, equals the single-process MoE GPT routing each rank's (each micro-batch's,
+    each sequence slice's) share of the global batch as its own group: losses, clipped gradient
+    norms and parameters."""
+    world, sizes, m, options, model_options = GPT_LAYOUTS[name]
+    dp, tp = sizes["dp"], sizes.get("tp", 1)
+    seq_chunks = tp if options.get("sequence_parallel") else 1
     cfg = dict(vocab_size=16, block_size=6, n_layer=2, n_head=2, n_embd=8, n_experts=4, top_k=2,
-               capacity_factor=1.0, aux_loss_coef=0.1, z_loss_coef=0.01, seed=3)
+               capacity_factor=1.0, aux_loss_coef=0.1, z_loss_coef=0.01, seed=3, **model_options)
     data = torch.randint(0, 16, (3, dp * 2 * m, 7), generator=torch.Generator().manual_seed(4))
-    ref = MoEGPT(MoEGPTConfig(**cfg, route_groups=dp * m))
+    ref = MoEGPT(MoEGPTConfig(**cfg, route_groups=dp * m, route_seq_chunks=seq_chunks))
     opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD, eps=EPS)
-    ref_losses, dropped = [], 0
+    ref_losses, ref_norms, dropped = [], [], 0
     for s in range(3):
         x = data[s]
         logits = ref(x[:, :-1])
@@ -292,13 +313,14 @@ def test_moe_gpt_equals_single_process(pools, layout):
         # Each rank's loss is its own mean (over its micro-batches' means); the global loss their mean.
         lm = torch.stack([gpt_loss(lg, y) for lg, y in zip(logits.chunk(dp * m), x[:, 1:].chunk(dp * m))]).mean()
         lm.backward()
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        ref_norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05).item())
         opt.step()
         opt.zero_grad()
         ref_losses.append(lm.item())
-    assert dropped > 0
-    for rank, (losses, state, stats) in enumerate(pools.run(world, _train_gpt, sizes, cfg, data, m)):
+    assert dropped > 0 and min(ref_norms) > 0.05  # tokens dropped, and clipping fires every step
+    for rank, (losses, norms, state, stats) in enumerate(pools.run(world, _train_gpt, sizes, cfg, data, m, options)):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), msg=lambda s: f"rank {rank}: {s}")
+        torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), msg=lambda s: f"rank {rank}: {s}")
         if m == 1:  # under pp the last forward is the last micro-batch only, not the whole step
             assert stats["dropped"] == last_dropped, (rank, stats, last_dropped)
         assert state.keys() == ref.state_dict().keys()
@@ -316,7 +338,7 @@ def _bad(ctx, cfg, layout, strategy):
 
 @pytest.mark.parametrize("cfg, layout, strategy, match", [
     (dict(n_experts=6), dict(dp=4, ep=4), "ddp", "n_experts=6 is not divisible by ep=4"),
-    (dict(n_experts=4), dict(dp=4, ep=2), "zero2", "mixture-of-experts layers train with strategy='ddp'"),
+    (dict(n_experts=6), dict(dp=4, ep=2), "zero3", "n_experts=6 is not divisible by ep=2"),
 ])
 def test_bad_expert_parallel_configurations_raise_on_every_rank(pools, cfg, layout, strategy, match):
     base = dict(vocab_size=8, block_size=4, n_layer=1, n_head=1, n_embd=4)

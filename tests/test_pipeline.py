@@ -502,7 +502,7 @@ def _count_zero3_gathers(ctx, reshard: bool, m: int, schedule: str):
     units = model.strategy.units
     out = dict(gathers=stats.calls("all_gather", "dp", "param"), scatters=stats.calls("reduce_scatter", "dp", "grad"),
                gathered_elements=sum(r.bytes for r in stats.records if r.op == "all_gather" and r.tag == "param")
-               // 4, padded=sum(u.group.layout.padded for u in units),
+               // 4, padded=sum(part.group.layout.padded for u in units for part in u.parts),
                nonroot=sum(not u.is_root for u in units), root=sum(u.is_root for u in units),
                states=set(model.strategy.unit_states().values()))
     mesh.destroy()

@@ -255,7 +255,7 @@ def _tied(ctx):
     mesh = Mesh()
     model = TiedAcrossUnits()
     sharded = ShardedModule(model, mesh=mesh, strategy="zero3", wrap_policy=(nn.Linear, nn.Embedding))
-    units = {u.name: [id(p) for p in u.group.layout.params] for u in sharded.strategy.units}
+    units = {u.name: [id(p) for p in u.params] for u in sharded.strategy.units}
     opt = sharded.build_optimizer(torch.optim.AdamW, lr=0.05, weight_decay=WD, eps=EPS)
     idx = torch.arange(7).repeat(ctx.world_size, 2)[ctx.rank].view(1, -1).to(ctx.device)
     for _ in range(3):
@@ -355,9 +355,9 @@ def _frees(ctx, reshard_after_forward):
     for i, block in enumerate(model.layers):
         unit = next(u for u in sharded.strategy.units if u.module is block)
         block.register_forward_pre_hook(
-            lambda m, a, u=unit: seen.append(("pre", u.name, u.state.value, u.full.untyped_storage().nbytes())))
+            lambda m, a, u=unit: seen.append(("pre", u.name, u.state.value, u.full_bytes)))
         block.register_forward_hook(
-            lambda m, a, o, u=unit: seen.append(("post", u.name, u.state.value, u.full.untyped_storage().nbytes())))
+            lambda m, a, o, u=unit: seen.append(("post", u.name, u.state.value, u.full_bytes)))
     x = torch.randint(0, 20, (2, 5)).to(ctx.device)
     with mesh.comm.counting() as stats:
         loss = gpt_loss(sharded(x[:, :-1]), x[:, 1:])

@@ -50,10 +50,10 @@ def _staged_bytes(ctx, strategy):
     model = GPT(GPTConfig(**{**CFG, "n_layer": 6}, tie_weights=False))
     sharded = ShardedModule(model, mesh=mesh, strategy=strategy, bucket_cap_mb=1e-6)
     state = sharded.strategy
-    stagings = state.buckets if strategy == "zero2" else [u.grads for u in state.units]
+    stagings = state.buckets if strategy == "zero2" else [part.grads for u in state.units for part in u.parts]
     # What may be alive at once: the two in flight and the one filling; for zero3 also the root
     # unit, whose parameters (head, final norm, embeddings) get gradients first and last.
-    root = [u.grads for u in state.units if u.is_root] if strategy == "zero3" else []
+    root = [part.grads for u in state.units if u.is_root for part in u.parts] if strategy == "zero3" else []
     sizes = sorted(s.group.layout.padded for s in stagings if s not in root)
     bound = sum(sizes[-3:]) + sum(s.group.layout.padded for s in root)
     peak = [0]

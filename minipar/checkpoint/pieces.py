@@ -20,7 +20,6 @@ import torch
 import torch.nn as nn
 
 from ..placement import placement_of
-from ..sharded_optim import ShardedState
 from .files import CheckpointError
 
 @dataclass
@@ -68,14 +67,7 @@ def global_names(model) -> tuple[dict[int, str], dict[str, str]]:
 def slots_of(model) -> list[Slot]:
     mesh, strategy = model.mesh, model.strategy
     names, _ = global_names(model)
-    shard_of: dict[int, tuple] = {}  # id(param) -> (master, at, lo, hi) under ZeRO
-    if isinstance(strategy, ShardedState):
-        for g in strategy.groups:
-            lay, off = g.layout, 0
-            for p in lay.params:
-                a, b = max(off, lay.lo), min(off + p.numel(), lay.lo + lay.real_len)
-                shard_of[id(p)] = (g.master, a - lay.lo, a - off, b - off) if a < b else (g.master, 0, 0, 0)
-                off += p.numel()
+    shard_of = strategy.stepped_ranges()  # id(param) -> (master, at, lo, hi, primary) under ZeRO
     tied_copy = model.module.tied_weight() if mesh.pp > 1 and model.module.last and not model.module.first \
         else None
     out = []
@@ -88,9 +80,8 @@ def slots_of(model) -> list[Slot]:
         if expert and mesh.ep > 1:
             chunks.append((0, mesh.ep_rank, mesh.ep))
             full[0] *= mesh.ep
-        if id(p) in shard_of:  # ZeRO: each data-parallel rank steps (and writes) its own range
-            owner, at, lo, hi = shard_of[id(p)]
-            first_replica = True
+        if id(p) in shard_of:  # ZeRO: each shard group's rank steps (and writes) its own range
+            owner, at, lo, hi, first_replica = shard_of[id(p)]
         else:
             owner, at, lo, hi = p, 0, 0, p.numel()
             first_replica = (mesh.edp_rank if expert else mesh.dp_rank) == 0
@@ -113,7 +104,8 @@ def split_state(state: dict, owner: torch.Tensor) -> tuple[dict, dict]:
 
 def layout_of(model) -> dict:
     m = model.mesh
-    return {"world": m.world_size, "dp": m.dp, "tp": m.tp, "pp": m.pp, "ep": m.ep, "strategy": model.strategy_name}
+    return {"world": m.world_size, "dp": m.dp, "tp": m.tp, "pp": m.pp, "ep": m.ep, "dp_shard": m.dp_shard,
+            "strategy": model.strategy_name}
 
 
 def assemble_full(name: str, shape: list, pieces: list[dict], get) -> torch.Tensor:
