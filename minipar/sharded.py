@@ -136,6 +136,9 @@ class ShardedModule(nn.Module):
         if mesh.tp > 1 and tp_plan is None and not hasattr(module, "tp_plan"):
             raise ValueError(f"the mesh has tp={mesh.tp} but {type(module).__name__} has no tp_plan(); pass "
                              "tp_plan={'module.pattern': 'colwise' | 'rowwise' | 'vocab', ...}")
+        plan = None  # the model's own plan checks its sizes against tp (heads, vocabulary) here
+        if mesh.tp > 1:
+            plan = tp_plan if tp_plan is not None else module.tp_plan(mesh.tp, sequence_parallel=sequence_parallel)
         # One small collective that every rank reaches: a layout or plan that differs between ranks
         # fails here, on every rank, instead of hanging in the first forward.
         mesh.comm.check_same("the ShardedModule configuration", {
@@ -148,9 +151,6 @@ class ShardedModule(nn.Module):
         self.mesh = mesh
         self.strategy_name = strategy
         self.pipeline = pipeline
-        plan = None
-        if mesh.tp > 1:
-            plan = tp_plan if tp_plan is not None else module.tp_plan(mesh.tp, sequence_parallel=sequence_parallel)
         if mesh.pp > 1:  # keep only this stage's pieces of the model
             whole, module = module, GPTStage(module, mesh.pp_rank, mesh.pp, boundaries)
             if plan is not None:  # the plan's modules that this stage holds, under the stage's names

@@ -31,8 +31,8 @@ def _tiny_gpt_param_bytes() -> int:
     return sum(p.numel() * p.element_size() for p in GPT(cfg).parameters() if p.requires_grad)
 
 
-def _torchrun(script: str, *args: str) -> str:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+def _torchrun(script: str, *args: str, nproc: int = 2) -> str:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(ROOT / "benchmarks" / script), *args]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, f"{script} exited {out.returncode}:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
@@ -110,3 +110,23 @@ def test_pp_vs_torch_runs_and_reports_ratios_and_agreeing_losses(tmp_path):
             assert re.search(rf"^  {side}\s+{schedule}\s+(\d+\.\d+\s*){{3}}$", out, re.M), (side, schedule, out)
     diff = _number(r"largest difference minipar vs torch: ([\d.e+-]+) \(ok, tolerance", out)
     assert diff <= 1e-4 and figures["first_losses_max_diff"] <= 1e-4  # printed to 3 digits, stored exactly
+
+
+def test_compose_vs_torch_runs_and_reports_ratios_and_agreeing_losses(tmp_path):
+    """benchmarks/compose_vs_torch.py on 4 ranks: zero3 x pp against fully_shard + pipelining, and
+    HSDP against fully_shard on a 2-D mesh. Both ratios printed and written to --json; the first
+    steps' losses agree with PyTorch's (the benchmark exits 1 otherwise); the HSDP side all-reduces
+    over dp_replicate and reduce-scatters over dp_shard, and nothing of the zero3 x pp side crosses
+    a dp_shard or dp_replicate group."""
+    result = tmp_path / "compose.json"
+    out = _torchrun("compose_vs_torch.py", "--smoke", "--json", str(result), nproc=4)
+    figures = json.loads(result.read_text())
+    for name in ("zero3_pp", "hsdp"):
+        ratio = _number(rf"\| {name} \| [\d.]+ ms \| [\d.]+ ms \| ([\d.]+) \|", out)
+        assert ratio > 0 and round(figures["ratio_minipar_over_torch"][name], 2) == ratio
+        diff = _number(rf"largest difference minipar vs torch, {name}: ([\d.e+-]+) \(ok", out)
+        assert diff <= 1e-4
+    hsdp = out[out.index("  hsdp:"):]
+    assert re.search(r"all_reduce/dp_replicate \(\d+ on rank 0\)", hsdp) and "reduce_scatter/dp_shard" in hsdp
+    zero3_pp = out[out.index("  zero3_pp:"):out.index("  hsdp:")]
+    assert "dp_shard" not in zero3_pp and "dp_replicate" not in zero3_pp

@@ -1,0 +1,270 @@
+"""The composition matrix: every valid layout, proven equal to the single-process run.
+
+A layout picks one value per option: the data-parallel strategy, tp, sequence parallelism, pp and
+its schedule, mixture of experts (dense, MoE, MoE over ep=2), HSDP (dp_shard = dp / 2), the
+precision and activation checkpointing, on 4 or 8 ranks. `all_layouts` lists every combination that
+can exist (the mesh must fit the world, ep and dp_shard must divide dp, sequence parallelism needs
+tp > 1, a schedule needs pp > 1, HSDP and a mixed-precision policy need a sharded strategy); each is
+trained three AdamW steps with clipping that fires, and its losses, clipped gradient norms and final
+parameters are compared with the single-process model's on the global batch.
+
+CI runs `pairwise_sample`: a deterministic subset in which every pair of option values that some
+valid layout holds appears at least once. ``HYPOTHESIS_PROFILE=long`` runs the whole matrix.
+
+fp32 layouts are compared at fp32 tolerances. bf16 layouts (bf16 compute and gradients, fp32
+masters) are compared at bf16 tolerances with the fp32 reference: the tests of each strategy
+(test_zero, test_pipeline) emulate bf16 exactly where that is possible; here the point is that the
+composition is right, which a wrong scale, a missing reduction or a mixed-up shard would break by
+far more than bf16 rounding.
+
+The refusals that remain are listed in `REFUSALS`, each with its message, raised on every rank
+before any collective.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from minipar import Mesh, MixedPrecision, ShardedModule
+from minipar.models import GPT, GPTConfig, MoEGPT, MoEGPTConfig, gpt_loss
+
+from helpers import LR, WD
+
+EPS = 1e-4  # MoE layouts: see test_moe (tiny expert gradients, AdamW's lr / eps amplification)
+MAX_NORM = 0.05
+BF16 = MixedPrecision(param_dtype=torch.bfloat16)
+
+OPTIONS = {
+    "world": (4, 8),
+    "strategy": ("ddp", "zero1", "zero2", "zero3"),
+    "tp": (1, 2),
+    "sp": (False, True),
+    "pp": (1, 2),
+    "schedule": (None, "1f1b", "gpipe"),
+    "moe": ("dense", "moe", "moe_ep2"),
+    "hsdp": (False, True),
+    "precision": ("fp32", "bf16"),
+    "recompute": (False, True),
+}
+
+
+def valid(c: dict) -> bool:
+    """Can this layout exist? (Everything else is trained and must equal the reference.)"""
+    if c["world"] % (c["tp"] * c["pp"]):
+        return False
+    dp = c["world"] // (c["tp"] * c["pp"])
+    return ((c["schedule"] is None) == (c["pp"] == 1)     # a schedule exists only with stages
+            and (not c["sp"] or c["tp"] > 1)              # sequence parallelism splits over tp
+            and (c["moe"] != "moe_ep2" or dp % 2 == 0)    # ep = 2 splits dp
+            and (not c["hsdp"] or (dp % 2 == 0 and c["strategy"] != "ddp"))  # DDP shards nothing
+            and (c["precision"] == "fp32" or c["strategy"] != "ddp"))  # DDP computes in the params' dtype
+
+
+def all_layouts() -> list[dict]:
+    names = list(OPTIONS)
+    out = [dict(zip(names, values)) for values in itertools.product(*OPTIONS.values())]
+    return [c for c in out if valid(c)]
+
+
+def _pairs(c: dict) -> set:
+    items = sorted(c.items())
+    return {(a, b) for a, b in itertools.combinations(items, 2)}
+
+
+def pairwise_sample(layouts: list[dict]) -> list[dict]:
+    """A deterministic subset covering every pair of option values that some layout in ``layouts``
+    holds: greedily the layout that covers the most pairs not covered yet (the first on ties)."""
+    uncovered = set().union(*(_pairs(c) for c in layouts))
+    chosen = []
+    while uncovered:
+        best = max(layouts, key=lambda c: len(_pairs(c) & uncovered))
+        chosen.append(best)
+        uncovered -= _pairs(best)
+    return chosen
+
+
+def _name(c: dict) -> str:
+    parts = [f"w{c['world']}", c["strategy"], f"tp{c['tp']}" + ("sp" if c["sp"] else ""), f"pp{c['pp']}"]
+    parts += [c["schedule"]] if c["schedule"] else []
+    parts += [c["moe"]] if c["moe"] != "dense" else []
+    parts += ["hsdp"] if c["hsdp"] else []
+    parts += ["bf16"] if c["precision"] == "bf16" else []
+    parts += ["recompute"] if c["recompute"] else []
+    return "-".join(parts)
+
+
+ALL = all_layouts()
+SAMPLE = pairwise_sample(ALL)
+MATRIX = ALL if os.environ.get("HYPOTHESIS_PROFILE") == "long" else SAMPLE
+
+
+def _model_cfg(c: dict, dp: int, m: int) -> tuple[type, dict]:
+    cfg = dict(vocab_size=16, block_size=8, n_layer=2, n_head=2, n_embd=8, tie_weights=True, dropout=0.0, seed=11)
+    if c["moe"] == "dense":
+        return GPT, cfg
+    # bf16 may reorder close router logits; with room for every token, no decision depends on it
+    cf = 8.0 if c["precision"] == "bf16" else 1.0
+    return MoEGPT, dict(cfg, n_experts=4, top_k=2, capacity_factor=cf, aux_loss_coef=0.1, z_loss_coef=0.01)
+
+
+def _sizes(c: dict) -> tuple[dict, int]:
+    dp = c["world"] // (c["tp"] * c["pp"])
+    sizes = dict(dp=dp, tp=c["tp"], pp=c["pp"], ep=2 if c["moe"] == "moe_ep2" else 1)
+    if c["hsdp"]:
+        sizes["dp_shard"] = dp // 2
+    return sizes, dp
+
+
+def _options(c: dict, m: int) -> dict:
+    out = dict(strategy=c["strategy"], sequence_parallel=c["sp"], activation_checkpointing=c["recompute"],
+               bucket_cap_mb=1e-3)
+    if c["pp"] > 1:
+        out.update(schedule=c["schedule"], microbatches=m)
+    if c["precision"] == "bf16":
+        out["mixed_precision"] = BF16
+    return out
+
+
+def _train(ctx, c, data, m):
+    sizes, dp = _sizes(c)
+    mesh = Mesh(**sizes)
+    build, cfg = _model_cfg(c, dp, m)
+    config = (MoEGPTConfig if build is MoEGPT else GPTConfig)(**cfg)
+    model = ShardedModule(build(config), mesh=mesh, **_options(c, m))
+    opt = model.build_optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD, eps=EPS)
+    local = data.shape[1] // dp
+    losses, norms = [], []
+    for s in range(data.shape[0]):
+        x = data[s, mesh.dp_rank * local:(mesh.dp_rank + 1) * local].to(mesh.device)
+        losses.append(model.train_step(x[:, :-1], x[:, 1:], model.cross_entropy).item())
+        norms.append(model.clip_grad_norm_(MAX_NORM).item())
+        opt.step()
+        opt.zero_grad()
+    state = {k: v.float().cpu() for k, v in model.full_state_dict().items()}
+    mesh.destroy()
+    return losses, norms, state
+
+
+def _reference(c: dict, data: torch.Tensor, m: int):
+    _, dp = _sizes(c)
+    build, cfg = _model_cfg(c, dp, m)
+    if build is MoEGPT:  # route each rank's (micro-batch's, sequence slice's) tokens as one group
+        model = MoEGPT(MoEGPTConfig(**cfg, route_groups=dp * m, route_seq_chunks=c["tp"] if c["sp"] else 1))
+    else:
+        model = GPT(GPTConfig(**cfg))
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, eps=EPS)
+    losses, norms = [], []
+    for s in range(data.shape[0]):
+        x = data[s]
+        logits = model(x[:, :-1])
+        # each rank's loss is the mean of its micro-batches' means; the global loss their mean
+        loss = torch.stack([gpt_loss(lg, y) for lg, y in zip(logits.chunk(dp * m), x[:, 1:].chunk(dp * m))]).mean()
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, norms, model.state_dict()
+
+
+@pytest.mark.parametrize("c", MATRIX, ids=[_name(c) for c in MATRIX])
+def test_layout_equals_single_process(pools, c):
+    _, dp = _sizes(c)
+    m = 2 if c["pp"] > 1 else 1
+    data = torch.randint(0, 16, (3, dp * 2 * m, 9), generator=torch.Generator().manual_seed(5))
+    ref_losses, ref_norms, ref_state = _reference(c, data, m)
+    assert min(ref_norms) > MAX_NORM  # clipping fires every step
+    if c["precision"] == "fp32":
+        tol, norm_tol, param_tol = {}, {}, {}
+    else:  # bf16 compute against the fp32 reference (module docstring)
+        tol, norm_tol, param_tol = dict(rtol=2e-2, atol=1e-2), dict(rtol=5e-2, atol=0), dict(rtol=0, atol=6 * LR)
+    for rank, (losses, norms, state) in enumerate(pools.run(c["world"], _train, c, data, m)):
+        where = lambda s: f"rank {rank} of {_name(c)}: {s}"  # noqa: E731
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), msg=where, **tol)
+        torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), msg=where, **norm_tol)
+        assert state.keys() == ref_state.keys(), where("state dict keys differ")
+        for k, v in ref_state.items():
+            torch.testing.assert_close(state[k], v, msg=lambda s: f"rank {rank} {k}: {s}", **param_tol)
+
+
+def test_the_sample_covers_every_pair_and_the_matrix_every_option():
+    """The CI sample holds every pair of option values that any valid layout holds; every option
+    value appears in some valid layout (no option is refused whole)."""
+    wanted = set().union(*(_pairs(c) for c in ALL))
+    got = set().union(*(_pairs(c) for c in SAMPLE))
+    assert wanted <= got, sorted(wanted - got)[:5]
+    for option, values in OPTIONS.items():
+        for v in values:
+            assert any(c[option] == v for c in ALL), (option, v)
+    assert len(SAMPLE) < len(ALL) / 10, (len(SAMPLE), len(ALL))
+    print(f"composition matrix: {len(ALL)} valid layouts; CI sample of {len(SAMPLE)} covers every pair "
+          f"({len(wanted)} pairs); running {len(MATRIX)}")
+
+
+# -- what is refused, and why ----------------------------------------------------------------------
+
+_GPT = dict(vocab_size=16, block_size=8, n_layer=2, n_head=2, n_embd=8)
+
+# (mesh sizes, model config, ShardedModule options, when, message): every refusal that remains. Each
+# is a layout that cannot exist, or an option the chosen strategy does not have.
+REFUSALS = [
+    (dict(tp=2), dict(_GPT, n_head=3, n_embd=12), {}, "construction",
+     "GPT n_head=3 is not divisible by tp=2"),
+    (dict(dp=4, ep=4), dict(_GPT, n_experts=6), {}, "construction", "n_experts=6 is not divisible by ep=4"),
+    (dict(dp=4, ep=2), _GPT, {}, "construction", "expert parallelism has nothing to split"),
+    (dict(dp_shard=2), _GPT, dict(strategy="ddp"), "construction", "DDP shards nothing"),
+    (dict(dp_shard=3), _GPT, dict(strategy="zero3"), "mesh", "dp_shard=3 must divide dp=4"),
+    (dict(ep=3), _GPT, {}, "mesh", "ep=3 must divide dp=4"),
+    ({}, _GPT, dict(strategy="ddp", mixed_precision=BF16), "construction",
+     "use strategy='zero1', 'zero2' or 'zero3'"),
+    ({}, _GPT, dict(strategy="zero2", wrap_policy=(nn.Linear,)), "construction", "zero1/zero2 do not use it"),
+    (dict(pp=4), _GPT, {}, "construction", "4 pipeline stages but only 2 layers"),
+    (dict(tp=2), dict(_GPT, block_size=7), dict(sequence_parallel=True), "construction",
+     "block_size=7 must be divisible by tp=2"),
+    (dict(tp=2, pp=2), _GPT, dict(sequence_parallel=True, microbatches=2), "train_step",
+     "does not split into tp=2 shards"),
+    (dict(pp=2), _GPT, dict(microbatches=4), "train_step", "a batch of 6 does not split into microbatches=4"),
+    ({}, _GPT, dict(strategy="zero3", wrap_policy=(nn.Linear,), activation_checkpointing=True), "construction",
+     "lie inside the checkpointed module"),
+]
+
+
+def _refuse(ctx, sizes, cfg, options, when):
+    try:
+        mesh = Mesh(**sizes)
+    except ValueError as e:
+        return "mesh", str(e), []
+    stats = None
+    try:
+        build = MoEGPT(MoEGPTConfig(**cfg)) if "n_experts" in cfg else GPT(GPTConfig(**cfg))
+        with mesh.comm.counting() as stats:
+            try:
+                model = ShardedModule(build, mesh=mesh, **options)
+            except ValueError as e:
+                return "construction", str(e), [r.op for r in stats.records]
+        x = torch.randint(0, 16, (6, 8)).to(mesh.device)  # a batch of 6, sequences of 7
+        with mesh.comm.counting() as stats:
+            model.train_step(x[:, :-1], x[:, 1:], model.cross_entropy)
+        return "nowhere", None, []
+    except ValueError as e:
+        return "train_step", str(e), [r.op for r in stats.records]
+    finally:
+        dist.barrier()  # every rank raised and the world is still in step
+        mesh.destroy()
+
+
+@pytest.mark.parametrize("sizes, cfg, options, when, message", REFUSALS, ids=[r[-1][:40] for r in REFUSALS])
+def test_every_remaining_refusal_raises_on_every_rank_before_any_collective(pools, sizes, cfg, options, when,
+                                                                             message):
+    """Each refusal names the fix; raised on every one of 4 ranks, in the constructor (after no
+    collective but the configuration check, whose failure is itself this refusal on a mismatch) or
+    in train_step before any activation, gradient or loss moved."""
+    for rank, (where, msg, issued) in enumerate(pools.run(4, _refuse, sizes, cfg, options, when)):
+        assert where == when and msg is not None and message in msg, (rank, where, msg)
+        assert issued == [], f"rank {rank}: collectives before the ValueError: {issued}"
