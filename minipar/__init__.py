@@ -3,6 +3,7 @@
 Public API:
     init, Mesh, shutdown  -- the process mesh and the end of a job (minipar.mesh)
     ShardedModule         -- wrap a model with a strategy (minipar.sharded)
+    DataParallelConfig, TensorParallelConfig, PipelineConfig -- its options, grouped
     Comm, CommStats       -- the counted collective layer (minipar.comm)
     regions               -- autograd-aware conjugate collectives (minipar.regions)
     checkpoint            -- sharded save/load, resharding, consolidation (minipar.checkpoint)
@@ -13,7 +14,11 @@ from . import checkpoint, recompute, regions
 from .comm import AxisGroup, Comm, CommStats
 from .mesh import Mesh, init, shutdown
 from .precision import MixedPrecision
-from .sharded import STRATEGIES, ShardedModule
+from .pipeline import PipelineConfig
+from .sharded import ShardedModule
+from .strategy import STRATEGIES, DataParallelConfig
+from .tensor_parallel import TensorParallelConfig
 
-__all__ = ["init", "shutdown", "Mesh", "ShardedModule", "STRATEGIES", "MixedPrecision", "Comm", "CommStats", "AxisGroup", "regions", "checkpoint", "recompute"]
+__all__ = ["init", "shutdown", "Mesh", "ShardedModule", "STRATEGIES", "DataParallelConfig", "TensorParallelConfig",
+           "PipelineConfig", "MixedPrecision", "Comm", "CommStats", "AxisGroup", "regions", "checkpoint", "recompute"]
 __version__ = "0.1.0"

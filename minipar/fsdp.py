@@ -53,7 +53,7 @@ from .flat import FlatLayout, ShardGroup
 from .grad_buckets import GradStaging, LaunchOrder
 from .mesh import Mesh
 from .precision import MixedPrecision
-from .sharded_optim import ShardedState, make_master
+from .sharded_optim import GradState, ShardedState, make_master
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 
@@ -124,7 +124,6 @@ class Zero3(ShardedState):
         # Reduce-scatters launch in this fixed order on every rank (backward runs units in reverse).
         self._rs_order = [u for u in reversed(self.units) if not u.is_root] + [u for u in self.units if u.is_root]
         self.order = LaunchOrder([part.grads for u in self._rs_order for part in u.parts], self.comm)
-        self._pending = False  # no_sync backwards left gradients in p.grad
         self._fwd_order: list[Unit] = []
         self._last_fwd_order: list[Unit] = []
         self._callback_queued = False
@@ -243,8 +242,10 @@ class Zero3(ShardedState):
             if self._sync:
                 part.grads.add(i, p.grad)
                 p.grad = None
+                if self.grad_state is not GradState.LOCAL:  # else sync_grads reduces what no_sync left
+                    self.grad_state = GradState.REDUCED  # once this backward's callback has landed them
             else:
-                self._pending = True  # stays in p.grad until sync_grads
+                self.grad_state = GradState.LOCAL  # stays in p.grad until sync_grads
             if u.received == u.n_params:
                 self._post_backward(u)
         return hook
@@ -273,7 +274,7 @@ class Zero3(ShardedState):
     def reduce_shards(self) -> None:
         """Reduce-scatter what no_sync backwards accumulated in ``p.grad``, unit by unit in the fixed
         order, then reshard every unit."""
-        if not self._pending:
+        if self.grad_state is not GradState.LOCAL:
             return
         for u in self._rs_order:
             for part in u.parts:
@@ -285,14 +286,13 @@ class Zero3(ShardedState):
         self.order.finish()
         for u in self.units:
             self.reshard(u)
-        self._pending = False
+        self.grad_state = GradState.REDUCED
 
     def zero_grad(self) -> None:
         super().zero_grad()
         for g in self.groups:
             for p in g.layout.params:
                 p.grad = None  # what no_sync accumulated is dropped too
-        self._pending = False
 
     def spread_params(self) -> None:
         """Full parameters are gathered from the shards at their next use: drop any gathered now."""

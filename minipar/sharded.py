@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -33,92 +33,104 @@ from .moe import check_moe_config, moe_layers, shard_experts
 from .placement import placement_of
 from .recompute import check_units, checkpoint_modules, select_checkpointed
 from .pipeline import GPTStage, default_boundaries, resolve_boundaries
-from .pipeline.step import Pipeline
-from .precision import FP32, MixedPrecision
-from .strategy import Strategy
-from .tensor_parallel import mark_sequence_parallel, parallelize, vocab_parallel_cross_entropy
+from .pipeline.step import Pipeline, PipelineConfig
+from .precision import FP32
+from .strategy import DataParallelConfig, Strategy
+from .tensor_parallel import TensorParallelConfig, mark_sequence_parallel, parallelize, vocab_parallel_cross_entropy
 from .zero import Zero1, Zero2
 
-STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")  # "fsdp" is another name for "zero3"
+# The flat keyword arguments ShardedModule also takes, and the config each belongs to (and its field).
+_FLAT_OPTIONS = {
+    "bucket_cap_mb": ("strategy", "bucket_cap_mb"), "mixed_precision": ("strategy", "mixed_precision"),
+    "cpu_offload": ("strategy", "cpu_offload"), "wrap_policy": ("strategy", "wrap_policy"),
+    "reshard_after_forward": ("strategy", "reshard_after_forward"),
+    "tp_plan": ("tensor_parallel", "plan"), "sequence_parallel": ("tensor_parallel", "sequence_parallel"),
+    "schedule": ("pipeline", "schedule"), "microbatches": ("pipeline", "microbatches"),
+    "pipeline_boundaries": ("pipeline", "boundaries"), "record_timeline": ("pipeline", "record_timeline"),
+}
+_CONFIGS = {"strategy": DataParallelConfig, "tensor_parallel": TensorParallelConfig, "pipeline": PipelineConfig}
 
 
-def build_strategy(name: str, module: nn.Module, mesh: Mesh, policy: MixedPrecision, cpu_offload: bool,
-                   bucket_cap_mb: float, wrap_policy: Any, reshard_after_forward: bool) -> Strategy:
-    """The data-parallel strategy ``name`` over ``module``'s (tensor-/expert-parallel local) parameters."""
-    if name == "ddp":
-        return DataParallel(module, mesh, bucket_cap_mb=bucket_cap_mb)
-    if name in ("zero3", "fsdp"):
-        return Zero3(module, mesh, policy, cpu_offload, wrap_policy, reshard_after_forward)
-    return {"zero1": Zero1, "zero2": Zero2}[name](module, mesh, policy, cpu_offload, bucket_cap_mb)
+def resolve_configs(strategy: str | DataParallelConfig, tensor_parallel: TensorParallelConfig | None,
+                    pipeline: PipelineConfig | None, flat: dict[str, Any]):
+    """The three configs from config objects and/or the flat keyword arguments (each config built,
+    and so validated, by its own class). Mixing a config object with its own flat keywords raises."""
+    given = {"strategy": strategy if isinstance(strategy, DataParallelConfig) else None,
+             "tensor_parallel": tensor_parallel, "pipeline": pipeline}
+    fields: dict[str, dict[str, Any]] = {k: {} for k in _CONFIGS}
+    if not isinstance(strategy, DataParallelConfig):
+        fields["strategy"]["strategy"] = strategy
+    for key, value in flat.items():
+        if key not in _FLAT_OPTIONS:
+            raise ValueError(f"ShardedModule got an unknown option {key!r}; the options are strategy, "
+                             f"tensor_parallel, pipeline, activation_checkpointing, {', '.join(_FLAT_OPTIONS)}")
+        owner, field = _FLAT_OPTIONS[key]
+        if given[owner] is not None:
+            raise ValueError(f"{key}= is part of {owner}={type(given[owner]).__name__}(...): pass it there, "
+                             "not both")
+        fields[owner][field] = value
+    return tuple(given[k] if given[k] is not None else _CONFIGS[k](**fields[k]) for k in _CONFIGS)
+
+
+def build_strategy(config: DataParallelConfig, module: nn.Module, mesh: Mesh, reshard_after_forward: bool) -> Strategy:
+    """The data-parallel strategy of ``config`` over ``module``'s (tensor-/expert-parallel local) parameters."""
+    policy = config.mixed_precision or FP32
+    if not config.sharded:
+        return DataParallel(module, mesh, bucket_cap_mb=config.bucket_cap_mb)
+    if config.zero3:
+        return Zero3(module, mesh, policy, config.cpu_offload, config.wrap_policy, reshard_after_forward)
+    stage = {"zero1": Zero1, "zero2": Zero2}[config.strategy]
+    return stage(module, mesh, policy, config.cpu_offload, config.bucket_cap_mb)
 
 
 class ShardedModule(nn.Module):
     """Wrap ``module`` for training over ``mesh``: tensor parallelism on the tp axis (when tp > 1),
-    then ``strategy`` on the data-parallel axis.
+    pipeline stages (pp > 1), experts over ep, then a data-parallel strategy on dp.
 
     Args:
         module: the model, as built for one process; moved to ``mesh.device``.
         mesh: the process mesh; default: ``Mesh()`` over the initialised world (all ranks data-parallel).
-        strategy: one of ``STRATEGIES``: "ddp", "zero1", "zero2", "zero3" (= "fsdp").
-        bucket_cap_mb: gradient bucket size for DDP, ZeRO-1 and ZeRO-2, in MiB (> 0).
-        mixed_precision: a `MixedPrecision` policy (ZeRO stages); default fp32.
-        cpu_offload: keep fp32 masters and optimizer state on the CPU and step there (ZeRO stages).
-        wrap_policy: how zero3 cuts the model into units (see `minipar.fsdp.select_units`).
-        reshard_after_forward: zero3 frees a unit's full parameters after its forward; default True,
-            and False under a pipeline (units stay gathered across a step's micro-batches).
-        tp_plan: the tensor-parallel plan; default ``module.tp_plan(tp, sequence_parallel)``.
-        sequence_parallel: split activations along the sequence between tensor-parallel layers.
-        schedule: the pipeline schedule when pp > 1: "1f1b" or "gpipe" (``minipar.pipeline.SCHEDULES``).
-        microbatches: micro-batches per step when pp > 1; the batch must divide by it.
-        pipeline_boundaries: where to cut the GPT into pp stages: pp block counts or pp + 1 cut points;
-            default: balanced by parameter count (`minipar.pipeline.default_boundaries`).
-        record_timeline: keep each stage's (action, start, end) of the last pipeline step in
-            ``self.timeline`` (on a GPU this times with CUDA events and costs one host sync per step).
+        strategy: "ddp", "zero1", "zero2", "zero3" (= "fsdp"), or a `DataParallelConfig` with the
+            strategy's options (bucket size, mixed precision, CPU offload, zero3 wrap policy and resharding).
+        tensor_parallel: a `TensorParallelConfig` (plan, sequence parallelism), used when tp > 1.
+        pipeline: a `PipelineConfig` (schedule, micro-batches, boundaries, timeline), used when pp > 1.
         activation_checkpointing: recompute chosen blocks in backward instead of keeping their
             activations: True (each nn.ModuleList entry: the transformer blocks), a tuple of module
             classes, or a callable(module) -> bool; dropout masks are replayed (`minipar.recompute`).
+        **options: the configs' fields as flat keywords, as before the configs existed:
+            bucket_cap_mb, mixed_precision, cpu_offload, wrap_policy, reshard_after_forward (strategy);
+            tp_plan, sequence_parallel (tensor_parallel); schedule, microbatches,
+            pipeline_boundaries, record_timeline (pipeline).
 
-    Raises ValueError, on every rank and before any collective, for an unknown
-    strategy, a non-positive bucket size or a module without parameters; and,
-    after one small collective, when ranks were given different configurations.
+    Raises ValueError, on every rank and before any collective, for an option a config refuses, a
+    layout that cannot exist, or a module without parameters; and, after one small collective,
+    when ranks were given different configurations.
     """
 
-    def __init__(self, module: nn.Module, *, mesh: Mesh | None = None, strategy: str = "ddp",
-                 bucket_cap_mb: float = 25.0, mixed_precision: MixedPrecision | None = None,
-                 cpu_offload: bool = False, wrap_policy=None, reshard_after_forward: bool | None = None,
-                 tp_plan: dict | None = None, sequence_parallel: bool = False,
-                 schedule: str = "1f1b", microbatches: int = 1, pipeline_boundaries: Sequence[int] | None = None,
-                 record_timeline: bool = False, activation_checkpointing: Any = False) -> None:
+    def __init__(self, module: nn.Module, *, mesh: Mesh | None = None, strategy: str | DataParallelConfig = "ddp",
+                 tensor_parallel: TensorParallelConfig | None = None, pipeline: PipelineConfig | None = None,
+                 activation_checkpointing: Any = False, **options: Any) -> None:
         super().__init__()
-        if strategy not in STRATEGIES:
-            raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
-        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} must be a number > 0 (MiB per gradient bucket; "
-                             "PyTorch DDP uses 25)")
+        dp_config, tp_config, pp_config = resolve_configs(strategy, tensor_parallel, pipeline, options)
+        sequence_parallel = tp_config.sequence_parallel
         if not any(True for _ in module.parameters()):
             raise ValueError(f"{type(module).__name__} has no parameters: there is nothing to train or "
                              "synchronise; wrap the module that owns the parameters")
-        if strategy == "ddp" and (mixed_precision is not None or cpu_offload or wrap_policy is not None):
-            raise ValueError("mixed_precision, cpu_offload and wrap_policy apply to the sharded strategies; "
-                             "use strategy='zero1', 'zero2' or 'zero3' for them")
-        if strategy in ("zero1", "zero2") and wrap_policy is not None:
-            raise ValueError("wrap_policy chooses zero3 units; zero1/zero2 do not use it")
-        if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
-            raise ValueError("mixed_precision must be a minipar.MixedPrecision(param_dtype=..., reduce_dtype=...)")
         if mesh is None:
             mesh = Mesh()
+        reshard_after_forward = dp_config.reshard_after_forward
         if reshard_after_forward is None:  # a pipeline runs each unit m times per step: keep it gathered
             reshard_after_forward = mesh.pp == 1
-        pipeline = None
+        runner = None
         if mesh.pp > 1:
             if not hasattr(module, "config") or not hasattr(module, "layers"):
                 raise ValueError(f"pipeline stages are cut from a minipar.models.GPT; got {type(module).__name__}")
             tp_vocab = module.wte.weight.shape[0] // mesh.tp
-            pipeline = Pipeline(mesh, schedule, microbatches, module.config.n_embd, (tp_vocab, module.config.n_embd),
-                                record_timeline, seq_divisor=mesh.tp if sequence_parallel else 1)
-            boundaries = default_boundaries(module, mesh.pp) if pipeline_boundaries is None else \
-                resolve_boundaries(pipeline_boundaries, module.config.n_layer, mesh.pp)  # bad cuts -> ValueError
-        if mesh.dp_shard != mesh.dp and strategy == "ddp":
+            runner = Pipeline(mesh, pp_config, module.config.n_embd, (tp_vocab, module.config.n_embd),
+                              seq_divisor=mesh.tp if sequence_parallel else 1)
+            boundaries = default_boundaries(module, mesh.pp) if pp_config.boundaries is None else \
+                resolve_boundaries(pp_config.boundaries, module.config.n_layer, mesh.pp)  # bad cuts -> ValueError
+        if mesh.dp_shard != mesh.dp and not dp_config.sharded:
             raise ValueError(f"the mesh has dp_shard={mesh.dp_shard} (HSDP) but DDP shards nothing; use "
                              "strategy='zero1', 'zero2' or 'zero3', or build the mesh without dp_shard")
         experts = moe_layers(module)
@@ -127,30 +139,29 @@ class ShardedModule(nn.Module):
                              "expert parallelism has nothing to split; build the mesh with ep=1")
         for layer in experts:  # experts not divisible by ep, on every rank before any collective
             check_moe_config(layer.n_experts, layer.top_k, layer.capacity_factor, mesh.ep)
-        if strategy in ("zero3", "fsdp"):  # a wrap policy that matches nothing raises here
-            units = [n for n, _ in select_units(module, wrap_policy)]
+        if dp_config.zero3:  # a wrap policy that matches nothing raises here
+            units = [n for n, _ in select_units(module, dp_config.wrap_policy)]
         if activation_checkpointing is not False:  # a policy that matches nothing, or cuts a zero3 unit
             chosen = select_checkpointed(module, activation_checkpointing)
-            if strategy in ("zero3", "fsdp"):
+            if dp_config.zero3:
                 check_units(chosen, units)
-        if mesh.tp > 1 and tp_plan is None and not hasattr(module, "tp_plan"):
+        if mesh.tp > 1 and tp_config.plan is None and not hasattr(module, "tp_plan"):
             raise ValueError(f"the mesh has tp={mesh.tp} but {type(module).__name__} has no tp_plan(); pass "
                              "tp_plan={'module.pattern': 'colwise' | 'rowwise' | 'vocab', ...}")
         plan = None  # the model's own plan checks its sizes against tp (heads, vocabulary) here
         if mesh.tp > 1:
-            plan = tp_plan if tp_plan is not None else module.tp_plan(mesh.tp, sequence_parallel=sequence_parallel)
+            plan = tp_config.plan if tp_config.plan is not None else \
+                module.tp_plan(mesh.tp, sequence_parallel=sequence_parallel)
         # One small collective that every rank reaches: a layout or plan that differs between ranks
         # fails here, on every rank, instead of hanging in the first forward.
         mesh.comm.check_same("the ShardedModule configuration", {
-            "strategy": strategy, "bucket_cap_mb": bucket_cap_mb, "mixed_precision": repr(mixed_precision),
-            "cpu_offload": cpu_offload, "wrap_policy": repr(wrap_policy), "reshard": reshard_after_forward,
-            "tp_plan": repr(tp_plan), "sequence_parallel": sequence_parallel, "schedule": schedule,
-            "microbatches": microbatches, "pipeline_boundaries": repr(pipeline_boundaries),
+            "strategy": repr(dp_config), "reshard": reshard_after_forward, "tensor_parallel": repr(tp_config),
+            "pipeline": repr(pp_config),
             "activation_checkpointing": activation_checkpointing if isinstance(activation_checkpointing, (bool, tuple))
             else getattr(activation_checkpointing, "__qualname__", repr(activation_checkpointing))}, mesh.world)
         self.mesh = mesh
-        self.strategy_name = strategy
-        self.pipeline = pipeline
+        self.strategy_name = dp_config.strategy
+        self.pipeline = runner
         if mesh.pp > 1:  # keep only this stage's pieces of the model
             whole, module = module, GPTStage(module, mesh.pp_rank, mesh.pp, boundaries)
             if plan is not None:  # the plan's modules that this stage holds, under the stage's names
@@ -168,11 +179,10 @@ class ShardedModule(nn.Module):
                         mark_sequence_parallel(p, mesh)
         self.checkpointed = checkpoint_modules(self.module, activation_checkpointing, mesh.device) \
             if activation_checkpointing is not False else []
-        policy = mixed_precision or FP32
+        policy = dp_config.mixed_precision or FP32
         self._cast_inputs_to = policy.param_dtype if policy.param_dtype != torch.float32 else None
-        self.strategy = build_strategy(strategy, self.module, mesh, policy, cpu_offload, bucket_cap_mb, wrap_policy,
-                                       reshard_after_forward)
-        if pipeline is not None:  # every micro-batch accumulates locally; the step syncs once (pipeline.step)
+        self.strategy = build_strategy(dp_config, self.module, mesh, reshard_after_forward)
+        if runner is not None:  # every micro-batch accumulates locally; the step syncs once (pipeline.step)
             self.strategy.local_accumulation = True
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

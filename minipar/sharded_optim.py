@@ -23,6 +23,7 @@ stage spread the new parameters (stages 1 and 2 all-gather them).
 from __future__ import annotations
 
 import contextlib
+from enum import Enum
 from typing import Iterator
 
 import torch
@@ -49,11 +50,28 @@ def make_master(shard: torch.Tensor, real_fp32: torch.Tensor, offload: bool) -> 
     return nn.Parameter(real_fp32.detach().to("cpu" if offload else shard.device, torch.float32, copy=True))
 
 
+class GradState(Enum):
+    """Where a ZeRO stage's gradients of this step are (ZeRO-3's parameters have their `UnitState`).
+
+        EMPTY --backward (no_sync, local accumulation)--> LOCAL --sync_grads--> REDUCED
+        EMPTY --synchronising backward--> REDUCED --unscale_--> UNSCALED --step--> REDUCED
+        any --zero_grad--> EMPTY
+    """
+
+    EMPTY = "empty"        # after zero_grad: no gradient yet
+    LOCAL = "local"        # some wait in p.grad (no_sync backwards), not reduced yet
+    REDUCED = "reduced"    # every gradient so far is reduced into the gradient shards
+    UNSCALED = "unscaled"  # and the loss scale divided out, overflow agreed: ready to step
+
+
 class ShardedState(Strategy):
     """Base of the ZeRO stages: the groups, the loss scale, and the optimizer-facing steps."""
 
     stage: int
     local_accumulation = False  # no_sync accumulates in p.grad (stage 1; 2 and 3 under a pipeline)
+    # States in which the shards hold every gradient: EMPTY too where zero_grad zeroes the shards
+    # (stages 2 and 3); ZeRO-1's buckets are undefined until a reduction fills them.
+    reduced_states = (GradState.EMPTY, GradState.REDUCED, GradState.UNSCALED)
 
     def __init__(self, mesh: Mesh, policy: MixedPrecision, offload: bool) -> None:
         self.mesh, self.comm, self.world = mesh, mesh.comm, mesh.world
@@ -62,8 +80,8 @@ class ShardedState(Strategy):
         self.scaler = LossScaler(policy.init_scale, policy.growth_interval, policy.uses_loss_scaling)
         self.groups: list[ShardGroup] = []
         self._sync = True  # False inside no_sync with local accumulation
+        self.grad_state = GradState.EMPTY
         self.optimizer: ShardedOptimizer | None = None
-        self._unscaled = False
         self._found_inf = False
         self._shards_written = False  # the fused step wrote the compute shards already
 
@@ -128,7 +146,7 @@ class ShardedState(Strategy):
 
     def unscale_(self) -> bool:
         """Reduce, divide out the loss scale, and agree on overflow across every rank. Idempotent per step."""
-        if not self._unscaled:
+        if self.grad_state is not GradState.UNSCALED:
             self.sync_grads()
             found = torch.zeros(1, device=self.groups[0].shard.device)
             if self.scaler.enabled:
@@ -137,7 +155,7 @@ class ShardedState(Strategy):
                 # Any rank's overflow skips the step everywhere, so the scales stay equal.
                 self.comm.all_reduce(found, self.world, op="max", tag="overflow")
             self._found_inf = bool(found.item()) if self.scaler.enabled else False
-            self._unscaled = True
+            self.grad_state = GradState.UNSCALED
         return self._found_inf
 
     def grad_pieces(self) -> list[GradPiece]:
@@ -185,7 +203,7 @@ class ShardedState(Strategy):
     @torch.no_grad()
     def finish_step(self, skipped: bool) -> None:
         self.scaler.update(skipped)
-        self._unscaled = False
+        self.grad_state = GradState.REDUCED  # until zero_grad, the shards keep this step's gradients
         for g in self.groups:
             g.master.grad = None  # an fp32 copy of the gradient shard, needed only inside the step
         written, self._shards_written = self._shards_written, False
@@ -203,7 +221,7 @@ class ShardedState(Strategy):
             g.replicated = False
             if g.grad_shard is not None:
                 g.grad_shard.zero_()
-        self._unscaled = False
+        self.grad_state = GradState.EMPTY
 
     def build_optimizer(self, optimizer_cls: type[torch.optim.Optimizer], **kwargs) -> "ShardedOptimizer":
         return ShardedOptimizer(self, optimizer_cls, **kwargs)

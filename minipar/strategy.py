@@ -27,12 +27,58 @@ from __future__ import annotations
 
 import abc
 import contextlib
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .grad_norm import GradPiece
-from .precision import LossScaler
+from .precision import LossScaler, MixedPrecision
+
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")  # "fsdp" is another name for "zero3"
+
+
+@dataclass(frozen=True)
+class DataParallelConfig:
+    """The data-parallel strategy and its options, checked together.
+
+    strategy: one of `STRATEGIES`; bucket_cap_mb: gradient bucket size of DDP, ZeRO-1 and ZeRO-2
+    (MiB, > 0); mixed_precision, cpu_offload: the ZeRO stages' (DDP computes in the parameters' own
+    dtype: ZeRO-1 is DDP with fp32 masters); wrap_policy: how zero3 cuts units
+    (`minipar.fsdp.select_units`); reshard_after_forward: zero3 frees a unit after its forward
+    (default: yes without a pipeline, no under one). ValueError names what to change."""
+
+    strategy: str = "ddp"
+    bucket_cap_mb: float = 25.0
+    mixed_precision: MixedPrecision | None = None
+    cpu_offload: bool = False
+    wrap_policy: Any = None
+    reshard_after_forward: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}")
+        cap = self.bucket_cap_mb
+        if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0:
+            raise ValueError(f"bucket_cap_mb={cap!r} must be a number > 0 (MiB per gradient bucket; "
+                             "PyTorch DDP uses 25)")
+        if self.strategy == "ddp" and (self.mixed_precision is not None or self.cpu_offload
+                                       or self.wrap_policy is not None):
+            raise ValueError("mixed_precision, cpu_offload and wrap_policy apply to the sharded strategies (DDP "
+                             "computes in the parameters' own dtype); use strategy='zero1', 'zero2' or 'zero3' "
+                             "for them (zero1 is DDP with fp32 masters and a sharded optimizer)")
+        if self.strategy in ("zero1", "zero2") and self.wrap_policy is not None:
+            raise ValueError("wrap_policy chooses zero3 units; zero1/zero2 do not use it")
+        if self.mixed_precision is not None and not isinstance(self.mixed_precision, MixedPrecision):
+            raise ValueError("mixed_precision must be a minipar.MixedPrecision(param_dtype=..., reduce_dtype=...)")
+
+    @property
+    def sharded(self) -> bool:
+        return self.strategy != "ddp"
+
+    @property
+    def zero3(self) -> bool:
+        return self.strategy in ("zero3", "fsdp")
 
 
 class Strategy(abc.ABC):

@@ -50,7 +50,7 @@ from .grad_buckets import GradStaging, LaunchOrder, claim, divide_into
 from .mesh import Mesh
 from .precision import MixedPrecision
 from .comm import AxisGroup, Comm
-from .sharded_optim import ShardedState, make_master
+from .sharded_optim import GradState, ShardedState, make_master
 
 
 class _BucketedShards(ShardedState):
@@ -79,7 +79,7 @@ class _BucketedShards(ShardedState):
     def _syncing(self) -> bool:
         # A no_sync backward leaves gradients in p.grad that the shards do not hold; a synchronising
         # one reduces them all (hooks, then _add_unreported_grads), once its buckets have landed.
-        self._shards_current = self._sync
+        self.grad_state = GradState.REDUCED if self._sync else GradState.LOCAL
         return self._sync
 
     def _add_unreported_grads(self) -> None:
@@ -93,11 +93,11 @@ class _BucketedShards(ShardedState):
 
     @torch.no_grad()
     def reduce_shards(self) -> None:
-        if self._shards_current:
+        if self.grad_state in self.reduced_states:
             return
         self._add_unreported_grads()  # the step came after a no_sync backward (or none): reduce now
         self.order.finish()
-        self._shards_current = True
+        self.grad_state = GradState.REDUCED
 
     def _make_hook(self, b: GradStaging, i: int):
         def hook(p: nn.Parameter) -> None:
@@ -228,11 +228,7 @@ class Zero1(_BucketedShards):
 
     stage = 1
     local_accumulation = True
-
-    def __init__(self, module: nn.Module, mesh: Mesh, policy: MixedPrecision, offload: bool,
-                 bucket_cap_mb: float = 25.0) -> None:
-        self._shards_current = False  # every gradient so far has been reduced into the shards
-        super().__init__(module, mesh, policy, offload, bucket_cap_mb)
+    reduced_states = (GradState.REDUCED, GradState.UNSCALED)  # fresh buckets hold no defined values
 
     def _make_buckets(self) -> list[FullGrads]:
         return [FullGrads(g, self.policy.grad_dtype) for g in self.groups]
@@ -245,7 +241,7 @@ class Zero1(_BucketedShards):
             b.group.master.grad = None
             for p in b.group.layout.params:
                 p.grad = None
-        self._shards_current = self._unscaled = False
+        self.grad_state = GradState.EMPTY
 
     def grad_tensors(self) -> list[torch.Tensor]:
         return [p.grad for g in self.groups for p in g.layout.params] + [b.flat for b in self.buckets]
@@ -256,17 +252,11 @@ class Zero2(_BucketedShards):
 
     stage = 2
 
-    def __init__(self, module: nn.Module, mesh: Mesh, policy: MixedPrecision, offload: bool,
-                 bucket_cap_mb: float = 25.0) -> None:
-        self._shards_current = True  # the shards hold every gradient (nothing waits in p.grad)
-        super().__init__(module, mesh, policy, offload, bucket_cap_mb)
-
     def zero_grad(self) -> None:
         super().zero_grad()
         for g in self.groups:
             for p in g.layout.params:
                 p.grad = None  # what no_sync accumulated is dropped too
-        self._shards_current = True
 
     def _make_buckets(self) -> list[GradStaging]:
         for g in self.groups:

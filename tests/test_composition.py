@@ -31,8 +31,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from minipar import Mesh, MixedPrecision, ShardedModule
+from minipar import DataParallelConfig, Mesh, MixedPrecision, PipelineConfig, ShardedModule, TensorParallelConfig
 from minipar.models import GPT, GPTConfig, MoEGPT, MoEGPTConfig, gpt_loss
+
+from minipar.sharded import resolve_configs
 
 from helpers import LR, WD
 
@@ -122,13 +124,12 @@ def _sizes(c: dict) -> tuple[dict, int]:
 
 
 def _options(c: dict, m: int) -> dict:
-    out = dict(strategy=c["strategy"], sequence_parallel=c["sp"], activation_checkpointing=c["recompute"],
-               bucket_cap_mb=1e-3)
-    if c["pp"] > 1:
-        out.update(schedule=c["schedule"], microbatches=m)
-    if c["precision"] == "bf16":
-        out["mixed_precision"] = BF16
-    return out
+    """The layout as ShardedModule's config objects (the other test modules use the flat keywords)."""
+    strategy = DataParallelConfig(c["strategy"], bucket_cap_mb=1e-3,
+                                  mixed_precision=BF16 if c["precision"] == "bf16" else None)
+    pipeline = PipelineConfig(schedule=c["schedule"], microbatches=m) if c["pp"] > 1 else None
+    return dict(strategy=strategy, tensor_parallel=TensorParallelConfig(sequence_parallel=c["sp"]),
+                pipeline=pipeline, activation_checkpointing=c["recompute"])
 
 
 def _train(ctx, c, data, m):
@@ -205,6 +206,28 @@ def test_the_sample_covers_every_pair_and_the_matrix_every_option():
     assert len(SAMPLE) < len(ALL) / 10, (len(SAMPLE), len(ALL))
     print(f"composition matrix: {len(ALL)} valid layouts; CI sample of {len(SAMPLE)} covers every pair "
           f"({len(wanted)} pairs); running {len(MATRIX)}")
+
+
+def test_flat_keywords_and_config_objects_are_the_same_options():
+    """Today's keyword arguments build the same configs as the config objects; a config object and
+    its own flat keywords together, an unknown option, or a bad value raise ValueError saying what
+    to change (each config validates its own fields)."""
+    flat = resolve_configs("zero3", None, None, dict(bucket_cap_mb=2.0, cpu_offload=True, sequence_parallel=True,
+                                                      schedule="gpipe", microbatches=4, pipeline_boundaries=[1, 1]))
+    assert flat == (DataParallelConfig("zero3", bucket_cap_mb=2.0, cpu_offload=True),
+                    TensorParallelConfig(sequence_parallel=True),
+                    PipelineConfig(schedule="gpipe", microbatches=4, boundaries=[1, 1]))
+    assert resolve_configs("ddp", None, None, {}) == (DataParallelConfig(), TensorParallelConfig(), PipelineConfig())
+    for args, message in [
+        ((DataParallelConfig("zero1"), None, None, dict(bucket_cap_mb=1.0)), "bucket_cap_mb= is part of strategy="),
+        (("ddp", None, PipelineConfig(), dict(microbatches=2)), "microbatches= is part of pipeline=PipelineConfig"),
+        (("ddp", None, None, dict(micro_batches=2)), "unknown option 'micro_batches'"),
+        (("zero4", None, None, {}), "unknown strategy 'zero4'"),
+        (("ddp", None, None, dict(bucket_cap_mb=0)), "bucket_cap_mb=0 must be a number > 0"),
+        (("ddp", None, None, dict(schedule="zigzag")), "unknown schedule 'zigzag'"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            resolve_configs(*args)
 
 
 # -- what is refused, and why ----------------------------------------------------------------------

@@ -3,9 +3,9 @@
 from .executor import run_schedule
 from .schedule import KINDS, SCHEDULES, Action, gpipe, one_f_one_b, simulate
 from .stage import GPTStage, balanced_boundaries, default_boundaries, resolve_boundaries, stage_params, sync_tied_grads
-from .step import Pipeline
+from .step import Pipeline, PipelineConfig
 from .timeline import RankTimeline, chrome_trace, draw_timeline, write_trace
 
 __all__ = ["Action", "KINDS", "SCHEDULES", "gpipe", "one_f_one_b", "simulate", "GPTStage", "balanced_boundaries",
            "default_boundaries", "resolve_boundaries", "stage_params", "sync_tied_grads", "run_schedule",
-           "RankTimeline", "chrome_trace", "draw_timeline", "write_trace", "Pipeline"]
+           "RankTimeline", "chrome_trace", "draw_timeline", "write_trace", "Pipeline", "PipelineConfig"]

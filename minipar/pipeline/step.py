@@ -17,7 +17,8 @@ backward work) is no longer hidden behind communication.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn as nn
@@ -30,19 +31,37 @@ from .schedule import SCHEDULES
 from .stage import sync_tied_grads
 
 
+@dataclass(frozen=True)
+class PipelineConfig:
+    """How `ShardedModule` runs pp > 1 stages (unused at pp = 1).
+
+    schedule: "1f1b" or "gpipe" (`SCHEDULES`); microbatches: per step (the batch must divide by
+    it); boundaries: where to cut the GPT (block counts or cut points; default: balanced by
+    parameters); record_timeline: keep each stage's (action, start, end) of the last step.
+    Raises ValueError for an unknown schedule or a micro-batch count that is not a positive integer."""
+
+    schedule: str = "1f1b"
+    microbatches: int = 1
+    boundaries: Sequence[int] | None = None
+    record_timeline: bool = False
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
+        m = self.microbatches
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise ValueError(f"microbatches={m!r} must be a positive integer")
+
+
 class Pipeline:
     """The pipeline part of a `ShardedModule`: schedule, micro-batch count, and the step.
 
     hidden: the activation width between stages; tied_shape: this tp rank's piece of a tied
-    embedding/head weight (what a middle stage adds zeros of). Raises ValueError for an unknown
-    schedule or a micro-batch count that is not a positive integer."""
+    embedding/head weight (what a middle stage adds zeros of)."""
 
-    def __init__(self, mesh: Mesh, schedule: str, microbatches: int, hidden: int, tied_shape: tuple,
-                 record_timeline: bool = False, seq_divisor: int = 1) -> None:
-        if schedule not in SCHEDULES:
-            raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
-        if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
-            raise ValueError(f"microbatches={microbatches!r} must be a positive integer")
+    def __init__(self, mesh: Mesh, config: PipelineConfig, hidden: int, tied_shape: tuple,
+                 seq_divisor: int = 1) -> None:
+        schedule, microbatches, record_timeline = config.schedule, config.microbatches, config.record_timeline
         self.mesh, self.schedule, self.microbatches = mesh, schedule, microbatches
         self.hidden, self.tied_shape = hidden, tied_shape
         self.seq_divisor = seq_divisor  # sequence parallelism: activations between stages are sequence shards

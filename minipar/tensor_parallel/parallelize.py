@@ -69,6 +69,15 @@ def _enter_region_hook(mesh: Mesh, sequence_parallel: bool):
     return hook
 
 
+@dataclass(frozen=True)
+class TensorParallelConfig:
+    """How `ShardedModule` splits the model over tp > 1: ``plan`` (module-name patterns -> styles;
+    default: the model's ``tp_plan(tp, sequence_parallel)``) and sequence parallelism."""
+
+    plan: dict | None = None
+    sequence_parallel: bool = False
+
+
 def parallelize(module: nn.Module, mesh: Mesh, plan: dict[str, object], sequence_parallel: bool = False,
                 dropout_seed: int = 0) -> nn.Module:
     """Swap the planned layers of ``module`` for tensor-parallel ones (in place); returns ``module``.
