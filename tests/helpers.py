@@ -33,3 +33,18 @@ def accumulated_step(model, step_data: torch.Tensor, rows: slice, device) -> flo
         with sync:
             total += model.train_step(x[:, :-1], x[:, 1:], lambda out, y: gpt_loss(out, y) / accum).item()
     return total
+
+
+def train_rows(model, opt, data: torch.Tensor, max_norm: float) -> tuple[list[float], list[float]]:
+    """One step per data[s] (global batch, seq + 1) on this data-parallel rank's rows: train_step
+    with the layout's cross-entropy, clip to ``max_norm``, step. Returns (losses, gradient norms)."""
+    mesh = model.mesh
+    local = data.shape[1] // mesh.dp
+    losses, norms = [], []
+    for s in range(data.shape[0]):
+        x = data[s, mesh.dp_rank * local:(mesh.dp_rank + 1) * local].to(mesh.device)
+        losses.append(model.train_step(x[:, :-1], x[:, 1:], model.cross_entropy).item())
+        norms.append(model.clip_grad_norm_(max_norm).item())
+        opt.step()
+        opt.zero_grad()
+    return losses, norms

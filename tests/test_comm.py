@@ -337,32 +337,34 @@ def test_nested_counting_blocks_both_record(pools):
 
 # -- 3. mesh groups ---------------------------------------------------------------------
 
-LAYOUTS_4 = [(4, 1, 1, 1), (2, 2, 1, 1), (1, 2, 2, 1), (2, 1, 2, 2), (4, 1, 1, 2), (4, 1, 1, 4),
-             (1, 1, 4, 1), (1, 4, 1, 1)]
+# (dp, tp, pp, ep, dp_shard)
+LAYOUTS_4 = [(4, 1, 1, 1, 4), (2, 2, 1, 1, 2), (1, 2, 2, 1, 1), (2, 1, 2, 2, 2), (4, 1, 1, 2, 4), (4, 1, 1, 4, 4),
+             (1, 1, 4, 1, 1), (1, 4, 1, 1, 1), (4, 1, 1, 1, 2), (4, 1, 1, 2, 2), (2, 2, 1, 1, 1)]
 
 
-def _axis_sizes(dp, tp, pp, ep):
-    return {"dp": dp, "tp": tp, "pp": pp, "ep": ep, "edp": dp // ep}
+def _axis_sizes(dp, tp, pp, ep, shard):
+    return {"dp": dp, "tp": tp, "pp": pp, "ep": ep, "edp": dp // ep, "dp_shard": shard, "dp_replicate": dp // shard}
 
 
 def _rank_mesh_groups(ctx, layout):
-    dp, tp, pp, ep = layout
+    dp, tp, pp, ep, shard = layout
     me = ctx.rank
-    mesh = Mesh(dp=dp, tp=tp, pp=pp, ep=ep)
+    mesh = Mesh(dp=dp, tp=tp, pp=pp, ep=ep, dp_shard=shard)
     try:
         assert me == (mesh.pp_rank * dp + mesh.dp_rank) * tp + mesh.tp_rank
-        assert mesh.dp_rank == mesh.edp_rank * ep + mesh.ep_rank
-        coord = {"dp": mesh.dp_rank, "tp": mesh.tp_rank, "pp": mesh.pp_rank, "ep": mesh.ep_rank, "edp": mesh.edp_rank}
+        assert mesh.dp_rank == mesh.edp_rank * ep + mesh.ep_rank == mesh.replicate_rank * shard + mesh.shard_rank
+        coord = {"dp": mesh.dp_rank, "tp": mesh.tp_rank, "pp": mesh.pp_rank, "ep": mesh.ep_rank, "edp": mesh.edp_rank,
+                 "dp_shard": mesh.shard_rank, "dp_replicate": mesh.replicate_rank}
         seen = {}
         for axis in AXES:
             grp = mesh.group(axis)
-            lists = axis_rank_lists(axis, dp=dp, tp=tp, pp=pp, ep=ep)
+            lists = axis_rank_lists(axis, dp=dp, tp=tp, pp=pp, ep=ep, dp_shard=shard)
             mine = [ranks for ranks in lists if me in ranks]
             assert len(mine) == 1, (axis, lists)
             mine = mine[0]
             assert grp.name == axis
             assert grp.ranks == tuple(mine) and grp.rank == mine.index(me) == coord[axis], (axis, grp, mine)
-            assert grp.size == mesh.size(axis) == _axis_sizes(dp, tp, pp, ep)[axis]
+            assert grp.size == mesh.size(axis) == _axis_sizes(dp, tp, pp, ep, shard)[axis]
             # the raw process group joins exactly these ranks
             t = torch.tensor([me], dtype=torch.int64, device=ctx.device)
             if grp.pg is None:
@@ -386,7 +388,7 @@ def _rank_mesh_groups(ctx, layout):
         mesh.destroy()
 
 
-@pytest.mark.parametrize("layout", LAYOUTS_4, ids=lambda lay: "dp{}-tp{}-pp{}-ep{}".format(*lay))
+@pytest.mark.parametrize("layout", LAYOUTS_4, ids=lambda lay: "dp{}-tp{}-pp{}-ep{}-shard{}".format(*lay))
 def test_mesh_groups_match_axis_rank_lists(pools, layout):
     seen = pools.run(4, _rank_mesh_groups, layout)
     for axis in AXES:
@@ -401,27 +403,31 @@ def _layouts(world):
     for dp, tp in itertools.product(range(1, world + 1), repeat=2):
         if world % (dp * tp) == 0:
             pp = world // (dp * tp)
-            for ep in range(1, dp + 1):
-                if dp % ep == 0:
-                    yield dp, tp, pp, ep
+            for ep, shard in itertools.product(range(1, dp + 1), repeat=2):
+                if dp % ep == 0 and dp % shard == 0:
+                    yield dp, tp, pp, ep, shard
 
 
 @pytest.mark.parametrize("world", [8, 16])
 def test_axis_rank_lists_partition_and_coordinates(world):
     layouts = list(_layouts(world))
     assert len(layouts) > 10
-    for dp, tp, pp, ep in layouts:
+    for dp, tp, pp, ep, shard in layouts:
         # Coordinates from the documented layout rank = (pp_rank*dp + dp_rank)*tp + tp_rank,
         # dp_rank = edp_rank*ep + ep_rank; the independent ones are (pp, edp, ep, tp).
         coords = {}
         for rank in range(world):
             tp_r, dp_r, pp_r = rank % tp, (rank // tp) % dp, rank // (tp * dp)
-            coords[rank] = {"tp": tp_r, "pp": pp_r, "dp": dp_r, "ep": dp_r % ep, "edp": dp_r // ep}
-        varies = {"tp": {"tp"}, "pp": {"pp"}, "dp": {"edp", "ep"}, "ep": {"ep"}, "edp": {"edp"}}
-        sizes = _axis_sizes(dp, tp, pp, ep)
+            coords[rank] = {"tp": tp_r, "pp": pp_r, "dp": dp_r, "ep": dp_r % ep, "edp": dp_r // ep,
+                            "dp_shard": dp_r % shard, "dp_replicate": dp_r // shard}
+        varies = {"tp": {"tp"}, "pp": {"pp"}, "dp": {"edp", "ep"}, "ep": {"ep"}, "edp": {"edp"},
+                  "dp_shard": {"dp_shard"}, "dp_replicate": {"dp_replicate"}}
+        sizes = _axis_sizes(dp, tp, pp, ep, shard)
         for axis in AXES:
-            lists = axis_rank_lists(axis, dp=dp, tp=tp, pp=pp, ep=ep)
-            where = f"{axis} of dp={dp} tp={tp} pp={pp} ep={ep}: {lists}"
+            lists = axis_rank_lists(axis, dp=dp, tp=tp, pp=pp, ep=ep, dp_shard=shard)
+            where = f"{axis} of dp={dp} tp={tp} pp={pp} ep={ep} dp_shard={shard}: {lists}"
+            # the independent coordinates: dp splits as (edp, ep) or, for HSDP, (replicate, shard)
+            family = {"pp", "tp", "dp_shard", "dp_replicate"} if axis.startswith("dp_") else {"pp", "edp", "ep", "tp"}
             assert sorted(r for ranks in lists for r in ranks) == list(range(world)), where  # a partition
             assert all(len(ranks) == sizes[axis] for ranks in lists), where
             assert len(lists) == world // sizes[axis], where
@@ -430,7 +436,7 @@ def test_axis_rank_lists_partition_and_coordinates(world):
                     assert ranks == list(range(ranks[0], ranks[0] + tp)), where  # contiguous runs
                 for i, r in enumerate(ranks):
                     assert coords[r][axis] == i, where  # position in the group = the axis coordinate
-                    for fixed in {"pp", "edp", "ep", "tp"} - varies[axis]:
+                    for fixed in family - varies[axis]:
                         assert coords[r][fixed] == coords[ranks[0]][fixed], where  # other coordinates shared
 
 

@@ -36,7 +36,7 @@ from minipar.models import GPT, GPTConfig, MoEGPT, MoEGPTConfig, gpt_loss
 
 from minipar.sharded import resolve_configs
 
-from helpers import LR, WD
+from helpers import LR, WD, train_rows
 
 EPS = 1e-4  # MoE layouts: see test_moe (tiny expert gradients, AdamW's lr / eps amplification)
 MAX_NORM = 0.05
@@ -139,14 +139,7 @@ def _train(ctx, c, data, m):
     config = (MoEGPTConfig if build is MoEGPT else GPTConfig)(**cfg)
     model = ShardedModule(build(config), mesh=mesh, **_options(c, m))
     opt = model.build_optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD, eps=EPS)
-    local = data.shape[1] // dp
-    losses, norms = [], []
-    for s in range(data.shape[0]):
-        x = data[s, mesh.dp_rank * local:(mesh.dp_rank + 1) * local].to(mesh.device)
-        losses.append(model.train_step(x[:, :-1], x[:, 1:], model.cross_entropy).item())
-        norms.append(model.clip_grad_norm_(MAX_NORM).item())
-        opt.step()
-        opt.zero_grad()
+    losses, norms = train_rows(model, opt, data, MAX_NORM)
     state = {k: v.float().cpu() for k, v in model.full_state_dict().items()}
     mesh.destroy()
     return losses, norms, state

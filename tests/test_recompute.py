@@ -17,7 +17,7 @@ from minipar import Mesh, ShardedModule, recompute
 from minipar.models import GPT, MLP, GPTConfig, MoEGPT, MoEGPTConfig, gpt_loss
 from minipar.recompute import ActivationMemory
 
-from helpers import EPS, LR, WD
+from helpers import EPS, LR, WD, train_rows
 
 MAX_NORM = 0.05  # below every gradient norm here: clipping fires
 
@@ -38,14 +38,7 @@ def _run(ctx, layout: dict, strategy: str, cfg: dict, data: torch.Tensor, ckpt, 
     model = ShardedModule(net, mesh=mesh, strategy=strategy, bucket_cap_mb=1e-3, sequence_parallel=sp,
                           activation_checkpointing=ckpt, **extra)
     opt = model.build_optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD, eps=EPS)
-    local = data.shape[1] // mesh.dp
-    losses, norms = [], []
-    for s in range(data.shape[0]):
-        x = data[s, mesh.dp_rank * local:(mesh.dp_rank + 1) * local].to(mesh.device)
-        losses.append(model.train_step(x[:, :-1], x[:, 1:], model.cross_entropy).item())
-        norms.append(model.clip_grad_norm_(MAX_NORM).item())
-        opt.step()
-        opt.zero_grad()
+    losses, norms = train_rows(model, opt, data, MAX_NORM)
     state = {k: v.cpu() for k, v in model.full_state_dict().items()}
     checkpointed = model.checkpointed
     mesh.destroy()
