@@ -29,7 +29,9 @@ import torch.nn as nn
 from .mesh import Mesh
 from .placement import placement_of
 
-_SHARD_AXES = (None, "dp", "dp_shard", "edp")
+# A dense shard's axis is dp, or dp_shard under HSDP: one slot, reduced over the dp_shard group (the
+# dp group itself without HSDP), so no layout pays a collective for a slot it cannot fill.
+_SHARD_AXES = (None, "dp_shard", "edp")
 _SLOTS = list(itertools.product(_SHARD_AXES, (False, True), (False, True)))  # (shard axis, tp, expert)
 
 
@@ -58,14 +60,15 @@ def global_grad_norm(pieces: list[GradPiece], mesh: Mesh, norm_type: float = 2.0
         if piece.param is skip or piece.grad.numel() == 0:
             continue
         where = placement_of(piece.param)
-        by_slot.setdefault(_SLOTS.index((piece.shard_axis, where.tensor_parallel, where.expert)), []).append(piece.grad)
+        axis = "dp_shard" if piece.shard_axis == "dp" else piece.shard_axis
+        by_slot.setdefault(_SLOTS.index((axis, where.tensor_parallel, where.expert)), []).append(piece.grad)
     parts = torch.zeros(len(_SLOTS), dtype=torch.float32, device=mesh.device)
     for i, grads in by_slot.items():
         norms = torch.stack(torch._foreach_norm(grads, norm_type, dtype=torch.float32))
         parts[i] = norms.max() if inf else norms.pow(norm_type).sum()
     op = "max" if inf else "sum"
-    for axis, split in (("dp", lambda s: s[0] == "dp"), ("dp_shard", lambda s: s[0] == "dp_shard"),
-                        ("edp", lambda s: s[0] == "edp"), ("tp", lambda s: s[1]), ("ep", lambda s: s[2])):
+    for axis, split in (("dp_shard", lambda s: s[0] == "dp_shard"), ("edp", lambda s: s[0] == "edp"),
+                        ("tp", lambda s: s[1]), ("ep", lambda s: s[2])):
         if mesh.size(axis) == 1:
             continue
         idx = torch.tensor([i for i, s in enumerate(_SLOTS) if split(s)], device=parts.device)

@@ -108,6 +108,11 @@ class Mesh:
         built[key] = AxisGroup(axis, tuple(mine), mine.index(self.rank), pg_mine)
         return built[key]
 
+    @property
+    def hsdp(self) -> bool:
+        """Data parallelism split into shard groups and replicas (dp_shard < dp)."""
+        return self.dp_shard != self.dp
+
     def group(self, axis: str) -> AxisGroup:
         """This rank's group along ``axis`` (one of `AXES`)."""
         try:
@@ -125,7 +130,7 @@ class Mesh:
         self._owned_pgs.clear()
 
     def __repr__(self) -> str:
-        hsdp = f", dp_shard={self.dp_shard}" if self.dp_shard != self.dp else ""
+        hsdp = f", dp_shard={self.dp_shard}" if self.hsdp else ""
         return (f"Mesh(dp={self.dp}, tp={self.tp}, pp={self.pp}, ep={self.ep}{hsdp}; rank {self.rank}: "
                 f"dp_rank={self.dp_rank}, tp_rank={self.tp_rank}, pp_rank={self.pp_rank}, "
                 f"ep_rank={self.ep_rank}, device={self.device})")

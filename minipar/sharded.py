@@ -130,7 +130,7 @@ class ShardedModule(nn.Module):
                               seq_divisor=mesh.tp if sequence_parallel else 1)
             boundaries = default_boundaries(module, mesh.pp) if pp_config.boundaries is None else \
                 resolve_boundaries(pp_config.boundaries, module.config.n_layer, mesh.pp)  # bad cuts -> ValueError
-        if mesh.dp_shard != mesh.dp and not dp_config.sharded:
+        if mesh.hsdp and not dp_config.sharded:
             raise ValueError(f"the mesh has dp_shard={mesh.dp_shard} (HSDP) but DDP shards nothing; use "
                              "strategy='zero1', 'zero2' or 'zero3', or build the mesh without dp_shard")
         experts = moe_layers(module)

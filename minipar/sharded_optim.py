@@ -93,8 +93,7 @@ class ShardedState(Strategy):
         dense = [p for p in params if not placement_of(p).expert]
         experts = [p for p in params if placement_of(p).expert]
         broadcast_from_rank0(dense + list(module.buffers()), self.comm, self.group)
-        hsdp = self.mesh.dp_shard != self.mesh.dp
-        out = [(dense, self.mesh.group("dp_shard" if hsdp else "dp"))] if dense else []
+        out = [(dense, self.mesh.group("dp_shard" if self.mesh.hsdp else "dp"))] if dense else []
         if experts:
             broadcast_from_rank0(experts, self.comm, self.mesh.group("edp"))
             out.append((experts, self.mesh.group("edp")))

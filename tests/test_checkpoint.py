@@ -27,7 +27,7 @@ from minipar import Mesh, MixedPrecision, ShardedModule, checkpoint
 from minipar.models import GPT, GPTConfig, MoEGPT, MoEGPTConfig, gpt_loss
 from minipar.testing import RankError, RankPool
 
-from helpers import EPS, LR, WD
+from helpers import EPS, LR, WD, train_rows
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MAX_NORM = 0.05  # below every gradient norm here: clipping always fires
@@ -67,15 +67,7 @@ def _build(layout: dict, strategy: str, cfg: dict, precision=None, optimizer=tor
 
 def _steps(mesh, model, opt, data: torch.Tensor, start: int, stop: int) -> tuple[list, list]:
     """Steps [start, stop) on this rank's rows of the global batch data[s]; (losses, gradient norms)."""
-    local = data.shape[1] // mesh.dp
-    losses, norms = [], []
-    for s in range(start, stop):
-        x = data[s, mesh.dp_rank * local:(mesh.dp_rank + 1) * local].to(mesh.device)
-        losses.append(model.train_step(x[:, :-1], x[:, 1:], model.cross_entropy).item())
-        norms.append(model.clip_grad_norm_(MAX_NORM).item())
-        opt.step()
-        opt.zero_grad()
-    return losses, norms
+    return train_rows(model, opt, data[start:stop], MAX_NORM)
 
 
 def _data(seed: int, global_batch: int, steps: int = 6) -> torch.Tensor:
