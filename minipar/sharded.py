@@ -27,10 +27,10 @@ from torch.utils._pytree import tree_map
 from . import kernels
 from .ddp import DataParallel
 from .fsdp import Zero3, select_units
+from .full_state import full_tensors
 from .grad_norm import clip_
 from .mesh import Mesh
 from .moe import check_moe_config, moe_layers, shard_experts
-from .placement import placement_of
 from .recompute import check_units, checkpoint_modules, select_checkpointed
 from .pipeline import GPTStage, default_boundaries, resolve_boundaries
 from .pipeline.step import Pipeline, PipelineConfig
@@ -282,29 +282,12 @@ class ShardedModule(nn.Module):
         """{"params", "grads", "optimizer"}: bytes of persistent state this rank holds (no transient buffers)."""
         return self.strategy.memory_stats()
 
-    @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The wrapped module's state dict with full tensors (fp32 masters under ZeRO, tensor-parallel
-        shards gathered), on every rank, under the original module's names."""
+        """The wrapped module's state dict with full tensors (fp32 masters under ZeRO, tensor- and
+        expert-parallel pieces gathered, every pipeline stage's), on every rank, under the
+        single-process model's names (`minipar.full_state`)."""
         full = self.strategy.full_params()
-        out = {}
-        for k, v in self.module.state_dict(keep_vars=True).items():
-            t = (full[id(v)] if id(v) in full else v.detach()).clone()
-            where = placement_of(v)
-            if where.expert and self.mesh.ep > 1:  # experts split over ep, dim 0
-                parts = torch.empty((self.mesh.ep,) + tuple(t.shape), dtype=t.dtype, device=t.device)
-                self.mesh.comm.all_gather(parts, t.unsqueeze(0), self.mesh.group("ep"), tag="state_dict")
-                t = torch.cat(parts.unbind(0), dim=0)
-            if where.tensor_parallel and self.mesh.tp > 1:
-                parts = torch.empty((self.mesh.tp,) + tuple(t.shape), dtype=t.dtype, device=t.device)
-                self.mesh.comm.all_gather(parts, t.unsqueeze(0), self.mesh.group("tp"), tag="state_dict")
-                t = torch.cat(parts.unbind(0), dim=where.tp_dim)
-            out[k] = t
-        if self.mesh.pp > 1:  # every stage's pieces, under the single-process names
-            stages = self.mesh.comm.all_gather_object(self.module.global_names(out), self.mesh.group("pp"),
-                                                      tag="state_dict")
-            out = {k: v for part in stages for k, v in part.items()}
-        return out
+        return full_tensors(self, lambda t: full.get(id(t), t))
 
 
 def stage_plan(plan: dict, whole: nn.Module, stage: nn.Module) -> dict:

@@ -25,7 +25,7 @@ from hypothesis import example, given, strategies as st
 
 from minipar import Mesh, ShardedModule
 from minipar.models import GPT, GPTConfig, gpt_loss
-from minipar.placement import placement_of
+from minipar.full_state import full_tensors
 from minipar.pipeline.stage import GPTStage, balanced_boundaries, default_boundaries, resolve_boundaries, \
     stage_params
 
@@ -119,20 +119,12 @@ def test_bad_explicit_boundaries_raise(spec, match):
 
 # -- what a rank reports ---------------------------------------------------------------------------
 
-@torch.no_grad()
 def _stage_full(model: ShardedModule, value_of) -> dict[str, torch.Tensor]:
-    """``value_of(p)`` for each of this stage's parameters, tensor-parallel shards gathered over tp as
-    ``full_state_dict`` does, under the single-process names (a tied weight under both of its names)."""
-    mesh = model.mesh
-    out = {}
-    for name, p in model.module.named_parameters():
-        t = value_of(p).detach()
-        if placement_of(p).tensor_parallel and mesh.tp > 1:
-            parts = torch.empty((mesh.tp,) + tuple(t.shape), dtype=t.dtype, device=t.device)
-            mesh.comm.all_gather(parts, t.unsqueeze(0), mesh.group("tp"), tag="test")
-            t = torch.cat(parts.unbind(0), dim=placement_of(p).tp_dim)
-        out[name] = t.float().cpu()
-    return model.module.global_names(out)
+    """``value_of(p)`` for each of this stage's parameters, gathered over tp as ``full_state_dict``
+    does, under the single-process names (a tied weight under both of its names)."""
+    params = {id(p) for p in model.module.parameters()}
+    full = full_tensors(model, lambda t: value_of(t) if id(t) in params else None, all_stages=False)
+    return {k: v.float().cpu() for k, v in full.items()}
 
 
 def _grads_now(model: ShardedModule) -> dict[str, torch.Tensor]:

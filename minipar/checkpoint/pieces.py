@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ..full_state import global_names, local_cut
 from ..placement import placement_of
 from .files import CheckpointError
 
@@ -37,33 +38,6 @@ class Slot:
     writes: bool            # this rank is the one that saves these elements
 
 
-def global_names(model) -> tuple[dict[int, str], dict[str, str]]:
-    """({id(parameter or buffer): single-process name}, {alias: name}) for this rank's module.
-
-    A pipeline stage's ``layers.k`` is the model's ``layers.(offset + k)``; the last stage's copy of
-    a tied embedding is the model's ``wte.weight``, whose alias ``lm_head.weight`` the single-process
-    state dict also lists.
-    """
-    module, pp = model.module, model.mesh.pp > 1
-    names: dict[int, str] = {}
-    aliases: dict[str, str] = {}
-    for key, t in module.state_dict(keep_vars=True).items():
-        name = key
-        if pp and key.startswith("layers."):
-            _, idx, rest = key.split(".", 2)
-            name = f"layers.{int(idx) + module.layer_offset}.{rest}"
-        if pp and module.tied and key == "lm_head.weight":
-            name = "wte.weight"
-            aliases["lm_head.weight"] = "wte.weight"
-        if id(t) in names:
-            aliases[name] = names[id(t)]
-        else:
-            names[id(t)] = name
-    if pp and module.tied and module.first:
-        aliases["lm_head.weight"] = "wte.weight"
-    return names, aliases
-
-
 def slots_of(model) -> list[Slot]:
     mesh, strategy = model.mesh, model.strategy
     names, _ = global_names(model)
@@ -72,19 +46,13 @@ def slots_of(model) -> list[Slot]:
         else None
     out = []
     for p in model.module.parameters():
-        chunks, full, where = [], list(p.shape), placement_of(p)
-        if where.tensor_parallel and mesh.tp > 1:
-            chunks.append((where.tp_dim, mesh.tp_rank, mesh.tp))
-            full[where.tp_dim] *= mesh.tp
-        expert = where.expert
-        if expert and mesh.ep > 1:
-            chunks.append((0, mesh.ep_rank, mesh.ep))
-            full[0] *= mesh.ep
+        cuts, full = local_cut(p, mesh)
+        chunks, where = [(dim, index, count) for _, dim, index, count in cuts], placement_of(p)
         if id(p) in shard_of:  # ZeRO: each shard group's rank steps (and writes) its own range
             owner, at, lo, hi, first_replica = shard_of[id(p)]
         else:
             owner, at, lo, hi = p, 0, 0, p.numel()
-            first_replica = (mesh.edp_rank if expert else mesh.dp_rank) == 0
+            first_replica = (mesh.edp_rank if where.expert else mesh.dp_rank) == 0
         replicated_over_tp = not where.tensor_parallel and mesh.tp_rank != 0
         writes = first_replica and not replicated_over_tp and p is not tied_copy and hi > lo
         out.append(Slot(names[id(p)], p, tuple(full), chunks, lo, hi, owner, at, writes))

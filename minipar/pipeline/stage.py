@@ -163,20 +163,6 @@ class GPTStage(nn.Module):
             x = block(x)
         return self.lm_head(self.ln_f(x)) if self.last else x
 
-    def global_names(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """This stage's ``state`` (as from ``state_dict()``) under the single-process model's names."""
-        out = {}
-        for k, v in state.items():
-            if k.startswith("layers."):
-                _, idx, rest = k.split(".", 2)
-                k = f"layers.{int(idx) + self.layer_offset}.{rest}"
-            out[k] = v.detach().clone()
-        if self.tied and self.first:
-            out["lm_head.weight"] = out["wte.weight"]
-        if self.tied and self.last:
-            out["wte.weight"] = out["lm_head.weight"]
-        return out
-
     def tied_weight(self) -> nn.Parameter | None:
         if not self.tied:
             return None
