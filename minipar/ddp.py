@@ -22,6 +22,10 @@ How a step goes:
    ``find_unused_parameters=True``); one that only some ranks used gets the
    average, the others contributing zero.
 
+The hooks, the launch order and the end-of-backward callback are shared with
+ZeRO-1/2 (`minipar.grad_buckets`); DDP's own parts are the bucket (a
+persistent buffer, all-reduced) and the unused-parameter map.
+
 ``no_sync()``: hooks still accumulate into the buckets, nothing is launched;
 the first backward outside the block all-reduces the accumulated sum once.
 
@@ -42,6 +46,7 @@ import torch
 import torch.nn as nn
 
 from .comm import AxisGroup, Comm
+from .grad_buckets import BucketHooks, claim
 from .grad_norm import GradPiece
 from .mesh import Mesh
 from .placement import placement_of
@@ -51,7 +56,10 @@ from .strategy import Strategy, optimizer_state_tensors, storage_bytes
 
 @dataclass
 class Bucket:
-    """A flat gradient buffer; ``views[i]`` is ``params[i].grad``'s home."""
+    """A flat gradient buffer all-reduced as one; ``views[i]`` is ``params[i].grad``'s home.
+
+    A bucket of `minipar.grad_buckets`: the buffer persists and the gradients stay in it, so
+    autograd accumulates into the views in place and the all-reduce needs no copy."""
 
     index: int
     first_slot: int  # params[i] is slot first_slot + i of the per-parameter "used" map
@@ -61,11 +69,40 @@ class Bucket:
     divisor: int  # the gradient is averaged over this many data-parallel ranks
     views: list[torch.Tensor] = field(default_factory=list)
     ready: list[bool] = field(default_factory=list)
-    n_ready: int = 0
     work: object = None
+    pool: object = None  # LaunchOrder hands out a staging pool; a persistent buffer needs none
+
+    @property
+    def complete(self) -> bool:
+        return all(self.ready)
+
+    def take(self, i: int) -> None:
+        claim(self.ready, i)
+        absorb(self.params[i], self.views[i])
+
+    def launch(self, comm: Comm) -> None:
+        for i, p in enumerate(self.params):
+            if not self.ready[i] and p.grad is None:
+                self.views[i].zero_()  # unused here this step: contribute zero, leave .grad alone for now
+            elif not self.ready[i]:
+                absorb(p, self.views[i])  # accumulated under no_sync, or assigned by the user
+        self.flat.div_(self.divisor)  # sum of grad / dp = mean over data-parallel ranks
+        self.work = comm.all_reduce(self.flat, self.group, async_op=True, tag="grad")
+
+    def land(self) -> None:
+        self.work.wait()
+        self.work, self.ready = None, [False] * len(self.params)
 
 
-class DataParallel(Strategy):
+def absorb(p: nn.Parameter, view: torch.Tensor) -> None:
+    """Make ``p.grad`` the bucket view, moving a freshly allocated gradient into it."""
+    g = p.grad
+    if g is not view and g.data_ptr() != view.data_ptr():
+        view.copy_(g)
+        p.grad = view
+
+
+class DataParallel(BucketHooks, Strategy):
     """The DDP strategy behind ``ShardedModule(..., strategy="ddp")``."""
 
     local_accumulation = True  # no_sync accumulates in the buckets; sync_grads all-reduces the sum
@@ -88,17 +125,13 @@ class DataParallel(Strategy):
             edp = mesh.group("edp")
             broadcast_from_rank0(experts, self.comm, edp)
             self.buckets += self._build_buckets(experts[::-1], edp, self.group.size, first=len(self.buckets))
-        self._param_names = {p: n for n, p in named}
         self.scaler = LossScaler(1.0, 1, enabled=False)  # fp32 only: nothing to scale
         self.optimizer: torch.optim.Optimizer | None = None
         self._sync = True
         self._pending = False          # a no_sync backward left gradients that are not reduced yet
-        self._next_launch = 0          # buckets launch in index order, whatever order they fill
-        self._callback_queued = False
         n = sum(len(b.params) for b in self.buckets)
         self._used = [0] * n           # per parameter slot: got a gradient since the last sync
-        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(b, i))
-                       for b in self.buckets for i, p in enumerate(b.params)]
+        self._hook_buckets(self.comm, window=None)  # persistent buffers: nothing to bound
 
     # -- setup -------------------------------------------------------------
 
@@ -115,56 +148,18 @@ class DataParallel(Strategy):
 
     # -- backward ----------------------------------------------------------
 
-    def _make_hook(self, bucket: Bucket, i: int):
-        def hook(p: nn.Parameter) -> None:
-            self._absorb(p, bucket.views[i])
-            self._used[bucket.first_slot + i] = 1
-            if not self._sync:
-                self._pending = True
-                return
-            if not self._callback_queued:
-                self._callback_queued = True
-                torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-            if bucket.ready[i]:
-                raise RuntimeError(f"parameter {self._param_names[p]!r} received its gradient twice in one "
-                                   "backward; DDP all-reduces each gradient once per backward")
-            bucket.ready[i] = True
-            bucket.n_ready += 1
-            self._launch_ready()
-        return hook
-
-    @staticmethod
-    def _absorb(p: nn.Parameter, view: torch.Tensor) -> None:
-        """Make ``p.grad`` the bucket view, moving a freshly allocated gradient into it."""
-        g = p.grad
-        if g is not view and g.data_ptr() != view.data_ptr():
-            view.copy_(g)
-            p.grad = view
-
-    def _launch_ready(self) -> None:
-        while self._next_launch < len(self.buckets):
-            b = self.buckets[self._next_launch]
-            if b.n_ready < len(b.params):
-                return
-            self._launch(b)
-
-    def _launch(self, b: Bucket) -> None:
-        for i, p in enumerate(b.params):
-            if not b.ready[i] and p.grad is None:
-                b.views[i].zero_()  # unused here this step: contribute zero, leave .grad alone for now
-            elif not b.ready[i]:
-                self._absorb(p, b.views[i])  # accumulated under no_sync, or assigned by the user
-        b.flat.div_(b.divisor)  # sum of grad / dp = mean over data-parallel ranks
-        b.work = self.comm.all_reduce(b.flat, b.group, async_op=True, tag="grad")
-        self._next_launch += 1
+    def _keeps_local(self, bucket: Bucket, i: int) -> bool:
+        absorb(bucket.params[i], bucket.views[i])  # no_sync too: accumulate in the bucket, in place
+        self._used[bucket.first_slot + i] = 1
+        if not self._sync:
+            self._pending = True
+        return not self._sync
 
     def _finish_backward(self) -> None:
-        while self._next_launch < len(self.buckets):
-            self._launch(self.buckets[self._next_launch])
+        self.order.launch_rest()
         used_t = torch.tensor(self._used, dtype=torch.int32, device=self.buckets[0].flat.device)
         used_work = self.comm.all_reduce(used_t, self.group, async_op=True, tag="unused_map")
-        for b in self.buckets:
-            b.work.wait()
+        self.order.land_all()
         used_work.wait()
         # Reading the map is a host sync on a GPU: only pay it when this rank has a parameter
         # without a gradient, the only case where the map decides anything.
@@ -174,12 +169,7 @@ class DataParallel(Strategy):
             for b, i in locally_unused:
                 if used[b.first_slot + i] > 0:
                     b.params[i].grad = b.views[i]  # used on another rank: receives the average
-        for b in self.buckets:
-            b.ready = [False] * len(b.params)
-            b.n_ready, b.work = 0, None
         self._used = [0] * len(self._used)
-        self._next_launch = 0
-        self._callback_queued = False
         self._pending = False
 
     # -- public ------------------------------------------------------------
@@ -219,11 +209,6 @@ class DataParallel(Strategy):
         return {"params": sum(p.numel() * p.element_size() for p in ps),
                 "grads": sum(b.flat.numel() * b.flat.element_size() for b in self.buckets),
                 "optimizer": storage_bytes(state, set())}
-
-    def remove_hooks(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
 
 
 @torch.no_grad()

@@ -50,7 +50,7 @@ from torch.utils._pytree import tree_flatten
 
 from .ddp import signature
 from .flat import FlatLayout, ShardGroup
-from .grad_buckets import GradStaging, LaunchOrder
+from .grad_buckets import EndOfBackward, GradStaging, LaunchOrder
 from .mesh import Mesh
 from .precision import MixedPrecision
 from .sharded_optim import GradState, ShardedState, make_master
@@ -126,7 +126,7 @@ class Zero3(ShardedState):
         self.order = LaunchOrder([part.grads for u in self._rs_order for part in u.parts], self.comm)
         self._fwd_order: list[Unit] = []
         self._last_fwd_order: list[Unit] = []
-        self._callback_queued = False
+        self.end_of_backward = EndOfBackward(self._finish_backward)
         self._hooks = []
         for u in self.units:
             if not u.is_root:
@@ -222,9 +222,7 @@ class Zero3(ShardedState):
     # -- backward ------------------------------------------------------------------
 
     def _pre_backward(self, u: Unit) -> None:
-        if not self._callback_queued:
-            self._callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        self.end_of_backward.arm()
         if u.backward_started:
             return
         u.backward_started = True
@@ -235,13 +233,10 @@ class Zero3(ShardedState):
 
     def _grad_hook(self, u: Unit, part: Part, i: int) -> Callable:
         def hook(p: nn.Parameter) -> None:
-            if not self._callback_queued:
-                self._callback_queued = True
-                torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            self.end_of_backward.arm()
             u.received += 1
             if self._sync:
-                part.grads.add(i, p.grad)
-                p.grad = None
+                part.grads.take(i)
                 if self.grad_state is not GradState.LOCAL:  # else sync_grads reduces what no_sync left
                     self.grad_state = GradState.REDUCED  # once this backward's callback has landed them
             else:
@@ -268,7 +263,6 @@ class Zero3(ShardedState):
             u.backward_started, u.received = False, 0
             if self._reshards_now():
                 self.reshard(u)
-        self._callback_queued = False
 
     @torch.no_grad()
     def reduce_shards(self) -> None:
@@ -278,10 +272,9 @@ class Zero3(ShardedState):
             return
         for u in self._rs_order:
             for part in u.parts:
-                for i, p in enumerate(part.group.layout.params):
+                for i, p in enumerate(part.grads.params):
                     if p.grad is not None:
-                        part.grads.add(i, p.grad)
-                        p.grad = None
+                        part.grads.take(i)
                 self.order.launch_next()  # a parameter that got no gradient contributes zero
         self.order.finish()
         for u in self.units:

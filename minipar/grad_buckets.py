@@ -1,17 +1,54 @@
-"""Gradient staging for the sharded strategies: a group's local gradient on its way to its shard.
+"""Gradient buckets, one home for DDP, ZeRO-1, ZeRO-2 (and ZeRO-3's units).
 
-ZeRO-2 stages each bucket and ZeRO-3 each unit (`GradStaging`); ZeRO-1's
-persistent buckets (`minipar.zero.FullGrads`) play the same part. `LaunchOrder`
-launches their reduce-scatters in one fixed order on every rank and bounds
-how many are in flight; `StagingPool` recycles the transient buffers.
+A *bucket* is a group of parameters whose gradients travel in one collective.
+Every kind answers the same four calls:
+
+    take(i)       move parameter i's ``.grad`` into the bucket (once per backward)
+    complete      every parameter has handed its gradient over
+    launch(comm)  start the collective (a parameter that gave nothing contributes zeros)
+    land()        wait for it and put the result where the strategy keeps gradients
+
+DDP's `minipar.ddp.Bucket` all-reduces a persistent flat buffer that ``p.grad``
+views; ZeRO-1's `minipar.zero.FullGrads` reduce-scatters a persistent buffer
+in place; ZeRO-2's buckets and ZeRO-3's units stage the gradient in a
+transient buffer (`GradStaging`) and reduce-scatter it into a shard.
+
+`LaunchOrder` launches a strategy's buckets in one fixed order on every rank
+and bounds how many are in flight; `BucketHooks` is the backward side shared
+by DDP and ZeRO-1/2: a post-accumulate-grad hook per parameter hands the
+gradient to its bucket and launches what is ready, and one end-of-backward
+callback (`EndOfBackward`, also ZeRO-3's) launches the rest and waits.
+`StagingPool` recycles the transient buffers.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
+import torch.nn as nn
 
 from .comm import Comm
 from .flat import ShardGroup
+
+
+class EndOfBackward:
+    """Runs ``fn`` once when the running backward pass ends.
+
+    Any hook may call ``arm()``; the first call of a backward queues ``fn`` with autograd's engine
+    (it runs after every gradient of this backward is computed, before ``backward()`` returns)."""
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self.fn, self.armed = fn, False
+
+    def arm(self) -> None:
+        if not self.armed:
+            self.armed = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._run)
+
+    def _run(self) -> None:
+        self.armed = False
+        self.fn()
 
 
 class StagingPool:
@@ -47,8 +84,8 @@ class StagingPool:
 def claim(ready: list[bool], i: int) -> None:
     """Mark parameter ``i``'s gradient as received in this backward; a second one is an error."""
     if ready[i]:
-        raise RuntimeError("a parameter received its gradient twice in one backward; ZeRO reduce-scatters "
-                           "each gradient once per backward")
+        raise RuntimeError("a parameter received its gradient twice in one backward; data-parallel "
+                           "strategies reduce each gradient once per backward")
     ready[i] = True
 
 
@@ -61,7 +98,32 @@ def divide_into(view: torch.Tensor, grad: torch.Tensor, divisor: int) -> None:
         view.copy_(grad).div_(divisor)
 
 
-class GradStaging:
+class ShardBucket:
+    """A bucket whose reduce-scatter lands in a `ShardGroup`'s gradient shard (subclasses set
+    ``group`` and ``ready`` and define ``add``)."""
+
+    group: ShardGroup
+    ready: list[bool]
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        return self.group.layout.params
+
+    @property
+    def complete(self) -> bool:
+        return all(self.ready)
+
+    def add(self, i: int, grad: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def take(self, i: int) -> None:
+        """Move parameter ``i``'s gradient in (it is freed at once: the next layer's gradient reuses it)."""
+        p = self.params[i]
+        self.add(i, p.grad)
+        p.grad = None
+
+
+class GradStaging(ShardBucket):
     """One group's full local gradient, from its first piece until its reduce-scatter lands in the shard.
 
     ZeRO-1/2 keep one per bucket, ZeRO-3 one per unit. A staging buffer exists
@@ -78,10 +140,6 @@ class GradStaging:
         self._views: list[torch.Tensor] = []
         self._out: torch.Tensor | None = None
         self._work = None
-
-    @property
-    def complete(self) -> bool:
-        return all(self.ready)
 
     def _buffer(self) -> torch.Tensor:
         if self._flat is None:  # contents undefined until added, or zeroed at launch
@@ -134,10 +192,10 @@ class LaunchOrder:
     window plus the groups still filling, never the whole gradient.
     """
 
-    def __init__(self, stagings: list[GradStaging], comm: Comm, window: int = 2) -> None:
+    def __init__(self, stagings: list, comm: Comm, window: int | None = 2) -> None:
         self.stagings, self.comm = stagings, comm
         self.window = window
-        self.pool = StagingPool(keep=window + 1)
+        self.pool = StagingPool(keep=(window or 0) + 1)
         for staging in stagings:
             staging.pool = self.pool
         self._next = 0
@@ -157,13 +215,60 @@ class LaunchOrder:
         staging.launch(self.comm)
         self._in_flight.append(staging)
         self._next += 1
-        while len(self._in_flight) > self.window:
+        while self.window is not None and len(self._in_flight) > self.window:
             self._in_flight.pop(0).land()
 
-    def finish(self) -> None:
-        """End of backward: launch what is left (missing gradients count as zero) and land everything."""
+    def launch_rest(self) -> None:
+        """Launch what is left, complete or not (missing gradients count as zero)."""
         while self._next < len(self.stagings):
             self.launch_next()
+
+    def land_all(self) -> None:
         for staging in self._in_flight:
             staging.land()
         self._in_flight, self._next = [], 0
+
+    def finish(self) -> None:
+        """End of backward: launch what is left and land everything."""
+        self.launch_rest()
+        self.land_all()
+
+
+class BucketHooks:
+    """The backward side of DDP and ZeRO-1/2: hooks that hand each gradient to its bucket.
+
+    The strategy sets ``buckets`` (in launch order) and calls `_hook_buckets`. In backward each
+    parameter's post-accumulate-grad hook asks ``_keeps_local`` (True under ``no_sync``: the
+    gradient stays where it is), else arms the end-of-backward callback, moves the gradient into
+    its bucket and launches every bucket that is ready in order. ``_finish_backward`` (the
+    strategy's) launches the rest and waits.
+    """
+
+    buckets: list
+    order: LaunchOrder
+
+    def _hook_buckets(self, comm: Comm, window: int | None) -> None:
+        self.order = LaunchOrder(self.buckets, comm, window)
+        self.end_of_backward = EndOfBackward(self._finish_backward)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._bucket_hook(b, i))
+                       for b in self.buckets for i, p in enumerate(b.params)]
+
+    def _bucket_hook(self, bucket, i: int) -> Callable[[nn.Parameter], None]:
+        def hook(p: nn.Parameter) -> None:
+            if self._keeps_local(bucket, i):
+                return
+            self.end_of_backward.arm()
+            bucket.take(i)
+            self.order.launch_ready()  # in bucket order, on every rank alike
+        return hook
+
+    def _keeps_local(self, bucket, i: int) -> bool:
+        raise NotImplementedError
+
+    def _finish_backward(self) -> None:
+        raise NotImplementedError
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()

@@ -46,14 +46,14 @@ import torch.nn as nn
 
 from .ddp import bucket_params, signature
 from .flat import FlatLayout, ShardGroup
-from .grad_buckets import GradStaging, LaunchOrder, claim, divide_into
+from .grad_buckets import BucketHooks, GradStaging, ShardBucket, claim, divide_into
 from .mesh import Mesh
 from .precision import MixedPrecision
 from .comm import AxisGroup, Comm
 from .sharded_optim import GradState, ShardedState, make_master
 
 
-class _BucketedShards(ShardedState):
+class _BucketedShards(BucketHooks, ShardedState):
     """Shared by stages 1 and 2: full flat parameters on every rank (shard = own slice), gradient
     buckets reduce-scattered in one fixed order during backward, shards all-gathered after the step."""
 
@@ -71,25 +71,21 @@ class _BucketedShards(ShardedState):
         self._setup(mesh, [(bucket, axis) for params, axis in self.shard_axes(module, [p for _, p in reversed(named)])
                            for bucket in bucket_params(params, cap)])
         self.buckets = self._make_buckets()
-        self.order = LaunchOrder(self.buckets, self.comm)
-        self._callback_queued = False
-        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(b, i))
-                       for b in self.buckets for i, p in enumerate(b.group.layout.params)]
+        self._hook_buckets(self.comm, window=2)  # at most two launched staging buffers wait to land
 
-    def _syncing(self) -> bool:
+    def _keeps_local(self, bucket, i: int) -> bool:
         # A no_sync backward leaves gradients in p.grad that the shards do not hold; a synchronising
         # one reduces them all (hooks, then _add_unreported_grads), once its buckets have landed.
         self.grad_state = GradState.REDUCED if self._sync else GradState.LOCAL
-        return self._sync
+        return not self._sync
 
     def _add_unreported_grads(self) -> None:
         """Into the buckets not launched yet: the gradients whose hook did not fire in this backward
         (parameters it did not use, whose p.grad comes from earlier no_sync backwards)."""
         for b in self.order.unlaunched():
-            for i, p in enumerate(b.group.layout.params):
+            for i, p in enumerate(b.params):
                 if not b.ready[i] and p.grad is not None:
-                    b.add(i, p.grad)
-                    p.grad = None
+                    b.take(i)
 
     @torch.no_grad()
     def reduce_shards(self) -> None:
@@ -99,23 +95,10 @@ class _BucketedShards(ShardedState):
         self.order.finish()
         self.grad_state = GradState.REDUCED
 
-    def _make_hook(self, b: GradStaging, i: int):
-        def hook(p: nn.Parameter) -> None:
-            if not self._syncing():
-                return
-            if not self._callback_queued:
-                self._callback_queued = True
-                torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-            b.add(i, p.grad)
-            p.grad = None  # moved into the bucket (and freed at once: the next layer's gradient reuses it)
-            self.order.launch_ready()  # in bucket order, on every rank alike
-        return hook
-
     @torch.no_grad()
     def _finish_backward(self) -> None:
         self._add_unreported_grads()
         self.order.finish()
-        self._callback_queued = False
 
     def _make_buckets(self) -> list:
         raise NotImplementedError
@@ -147,7 +130,7 @@ class _BucketedShards(ShardedState):
         return self.flat_params
 
 
-class FullGrads:
+class FullGrads(ShardBucket):
     """ZeRO-1's gradient bucket: a persistent flat buffer of the bucket's full gradient, reduce-
     scattered in place, so this rank's slice of it *is* the group's ``grad_shard``.
 
@@ -173,10 +156,6 @@ class FullGrads:
         self.ready = [False] * len(lay.params)
         self._fresh, self._landed = True, False
         self._work = None
-
-    @property
-    def complete(self) -> bool:
-        return all(self.ready)
 
     def _begin(self) -> None:
         if self._landed:

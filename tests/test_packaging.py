@@ -66,3 +66,17 @@ def test_import_and_a_cpu_training_step_leave_triton_unimported():
     out = subprocess.run([sys.executable, "-c", code], cwd="/", env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-4000:]
     assert out.stdout.strip() == "[]", f"triton was imported: {out.stdout.strip()[:500]}"
+
+
+def test_each_mechanism_lives_in_one_place():
+    """The end-of-backward callback and the per-parameter gradient hooks of the bucketed strategies
+    are written once (minipar/grad_buckets.py; ZeRO-3's per-unit hooks in fsdp.py), as is the
+    gradient norm (minipar/grad_norm.py): a second copy would be a second place to get them wrong."""
+    sources = {f.relative_to(ROOT).as_posix(): f.read_text() for d in ("minipar", "kernels", "models")
+               for f in (ROOT / d).glob("**/*.py")}
+    where = lambda text: sorted(n for n, s in sources.items() if text in s)  # noqa: E731
+    assert where("queue_callback(") == ["minipar/grad_buckets.py"]
+    assert where("register_post_accumulate_grad_hook(") == ["minipar/fsdp.py", "minipar/grad_buckets.py"]
+    assert where("_foreach_norm(") == ["minipar/grad_norm.py"]
+    too_long = {n: s.count("\n") for n, s in sources.items() if s.count("\n") > 400}
+    assert not too_long, f"modules over 400 lines (split them by concern): {too_long}"
