@@ -299,14 +299,41 @@ class Comm:
         dist.all_gather_object(out, obj, group=group.pg)
         return out
 
-    def check_same(self, what: str, value: Any, group: AxisGroup) -> None:
+    def check_same(self, what: str, value: Any, group: AxisGroup, where: Any = None) -> None:
         """Raise ValueError on every rank of ``group`` unless all ranks passed an equal ``value``.
 
         One small collective that every rank reaches, so a configuration that
         differs between ranks fails loudly instead of hanging a later collective.
+        The message names the ranks (with ``where(rank)``, e.g. their mesh
+        coordinates, when given) and the first difference. ``value`` must be a
+        stable description (names, shapes, numbers): never an object address.
         """
         values = self.all_gather_object(value, group, tag="config_check")
-        if any(v != values[0] for v in values):
-            per_rank = "\n".join(f"  rank {r}: {v!r}" for r, v in zip(group.ranks, values))
-            raise ValueError(f"{what} differs between ranks of the {group.name!r} group; "
-                             f"build it identically on every rank:\n{per_rank}")
+        odd = next((i for i, v in enumerate(values) if v != values[0]), None)
+        if odd is None:
+            return
+        name = lambda i: f"rank {group.ranks[i]}" + (f" ({where(group.ranks[i])})" if where else "")  # noqa: E731
+        others = [group.ranks[i] for i, v in enumerate(values) if v != values[0]]
+        lines = [f"{what} differs between ranks of the {group.name!r} group; build it identically on every rank.",
+                 f"ranks {others} differ from rank {group.ranks[0]}; {name(0)} and {name(odd)} differ first at "
+                 f"{first_difference(values[0], values[odd])}"]
+        if all(len(repr(v)) <= 300 for v in values):
+            lines += [f"  rank {r}: {v!r}" for r, v in zip(group.ranks, values)]
+        raise ValueError("\n".join(lines))
+
+
+def first_difference(a: Any, b: Any, at: str = "") -> str:
+    """Where two descriptions (nested dicts, lists, scalars) first differ, and how."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in list(a) + [k for k in b if k not in a]:
+            if k not in a or k not in b:
+                return f"{at}[{k!r}]: present on only one of them"
+            if a[k] != b[k]:
+                return first_difference(a[k], b[k], f"{at}[{k!r}]")
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        for i, (x, y) in enumerate(zip(a, b)):
+            if x != y:
+                return first_difference(x, y, f"{at}[{i}]")
+        if len(a) != len(b):
+            return f"{at}: {len(a)} entries vs {len(b)}"
+    return f"{at or 'the value'}: {a!r} vs {b!r}"

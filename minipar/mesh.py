@@ -120,6 +120,11 @@ class Mesh:
         except KeyError:
             raise ValueError(f"unknown mesh axis {axis!r}; the axes are {AXES}") from None
 
+    def where(self, rank: int) -> str:
+        """Rank ``rank``'s coordinates on the mesh, for messages: "pp 0, dp 1, tp 0"."""
+        (pp_rank, dp_rank, tp_rank), = (self.grid == rank).nonzero().tolist()
+        return f"pp {pp_rank}, dp {dp_rank}, tp {tp_rank}"
+
     def size(self, axis: str) -> int:
         return self.group(axis).size
 

@@ -79,8 +79,9 @@ def check_moe_config(n_experts: int, k: int, capacity_factor: float, ep: int = 1
         raise ValueError(f"top_k={k!r}: the router supports k = 1 or 2")
     if k > n_experts:
         raise ValueError(f"top_k={k} is larger than the expert count {n_experts}: choose k <= n_experts")
-    if not capacity_factor > 0:
-        raise ValueError(f"capacity_factor={capacity_factor!r} must be > 0 (1.0 gives each expert its even "
+    if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)) or \
+            not 0 < capacity_factor < math.inf:
+        raise ValueError(f"capacity_factor={capacity_factor!r} must be a finite number > 0 (1.0 gives each expert its even "
                          "share of the assignments; larger drops fewer tokens)")
     if n_experts % ep:
         raise ValueError(f"n_experts={n_experts} is not divisible by ep={ep}: every expert-parallel rank "

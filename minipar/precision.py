@@ -16,6 +16,8 @@ never diverge; ``growth_interval`` clean steps in a row double it.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +37,14 @@ class MixedPrecision:
             v = getattr(self, name)
             if v is not None and v not in _DTYPES:
                 raise ValueError(f"MixedPrecision.{name}={v} is not supported; use one of {_DTYPES}")
+        scale = self.init_scale
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < math.inf:
+            raise ValueError(f"MixedPrecision.init_scale={scale!r} must be a finite number > 0 (the fp16 loss "
+                             "scale to start from; 2**16 is usual)")
+        interval = self.growth_interval
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+            raise ValueError(f"MixedPrecision.growth_interval={interval!r} must be an integer >= 1 (clean steps "
+                             "before the loss scale doubles)")
 
     @property
     def grad_dtype(self) -> torch.dtype:

@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_map
 
 from . import kernels
 from .ddp import DataParallel
+from .checks import agree_on_model, broadcast_initial_state, check_batch
 from .fsdp import Zero3, select_units
 from .full_state import full_tensors
 from .grad_norm import clip_
@@ -36,7 +37,7 @@ from .pipeline import GPTStage, default_boundaries, resolve_boundaries
 from .pipeline.step import Pipeline, PipelineConfig
 from .precision import FP32
 from .strategy import DataParallelConfig, Strategy
-from .tensor_parallel import TensorParallelConfig, mark_sequence_parallel, parallelize, vocab_parallel_cross_entropy
+from .tensor_parallel import TensorParallelConfig, check_plan, mark_sequence_parallel, parallelize, vocab_parallel_cross_entropy
 from .zero import Zero1, Zero2
 
 # The flat keyword arguments ShardedModule also takes, and the config each belongs to (and its field).
@@ -45,6 +46,7 @@ _FLAT_OPTIONS = {
     "cpu_offload": ("strategy", "cpu_offload"), "wrap_policy": ("strategy", "wrap_policy"),
     "reshard_after_forward": ("strategy", "reshard_after_forward"),
     "tp_plan": ("tensor_parallel", "plan"), "sequence_parallel": ("tensor_parallel", "sequence_parallel"),
+    "dropout_seed": ("tensor_parallel", "dropout_seed"),
     "schedule": ("pipeline", "schedule"), "microbatches": ("pipeline", "microbatches"),
     "pipeline_boundaries": ("pipeline", "boundaries"), "record_timeline": ("pipeline", "record_timeline"),
 }
@@ -99,7 +101,7 @@ class ShardedModule(nn.Module):
             classes, or a callable(module) -> bool; dropout masks are replayed (`minipar.recompute`).
         **options: the configs' fields as flat keywords, as before the configs existed:
             bucket_cap_mb, mixed_precision, cpu_offload, wrap_policy, reshard_after_forward (strategy);
-            tp_plan, sequence_parallel (tensor_parallel); schedule, microbatches,
+            tp_plan, sequence_parallel, dropout_seed (tensor_parallel); schedule, microbatches,
             pipeline_boundaries, record_timeline (pipeline).
 
     Raises ValueError, on every rank and before any collective, for an option a config refuses, a
@@ -152,13 +154,17 @@ class ShardedModule(nn.Module):
         if mesh.tp > 1:
             plan = tp_config.plan if tp_config.plan is not None else \
                 module.tp_plan(mesh.tp, sequence_parallel=sequence_parallel)
-        # One small collective that every rank reaches: a layout or plan that differs between ranks
-        # fails here, on every rank, instead of hanging in the first forward.
-        mesh.comm.check_same("the ShardedModule configuration", {
-            "strategy": repr(dp_config), "reshard": reshard_after_forward, "tensor_parallel": repr(tp_config),
-            "pipeline": repr(pp_config),
-            "activation_checkpointing": activation_checkpointing if isinstance(activation_checkpointing, (bool, tuple))
-            else getattr(activation_checkpointing, "__qualname__", repr(activation_checkpointing))}, mesh.world)
+            check_plan(module, plan, mesh.tp)  # patterns, styles, sizes, ties: before any collective
+        # The first collectives: a model, layout or plan that differs between ranks fails here, on
+        # every rank, instead of hanging in the first forward; then every rank starts from rank 0's weights.
+        agree_on_model(mesh, module, {"strategy": dp_config, "reshard": reshard_after_forward,
+                                      "tensor_parallel": tp_config, "pipeline": pp_config,
+                                      "activation_checkpointing": activation_checkpointing})
+        broadcast_initial_state(module, mesh)
+        config = getattr(module, "config", None)  # what a batch is checked against (`minipar.checks`)
+        self._vocab_size = getattr(config, "vocab_size", None)
+        self._block_size = next((getattr(config, k) for k in ("block_size", "max_position_embeddings", "n_positions")
+                                 if isinstance(getattr(config, k, None), int)), None)
         self.mesh = mesh
         self.strategy_name = dp_config.strategy
         self.pipeline = runner
@@ -168,7 +174,8 @@ class ShardedModule(nn.Module):
                 plan = stage_plan(plan, whole, module)
         self.module = module.to(mesh.device)
         if plan is not None:  # tensor parallelism first: the data-parallel strategy then sees this rank's shards
-            parallelize(self.module, mesh, plan, sequence_parallel=sequence_parallel)
+            parallelize(self.module, mesh, plan, sequence_parallel=sequence_parallel,
+                        dropout_seed=tp_config.dropout_seed)
         self._moe_sequence_parallel = bool(experts) and sequence_parallel and mesh.tp > 1
         if experts:  # this rank keeps its E / ep experts; tokens reach the others by all-to-all
             shard_experts(self.module, mesh)
@@ -199,11 +206,14 @@ class ShardedModule(nn.Module):
     def train_step(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
         """Forward, loss, backward with gradient sync. Returns the global-batch loss, equal on every rank.
 
-        The global loss is the mean of the data-parallel ranks' losses: the
+        The batch is checked first, on every rank (`minipar.checks.check_batch`: ids and targets in
+        the vocabulary, ``-100`` ignored; the sequence within the block size; the same shape on tp
+        and pp peers). The global loss is the mean of the data-parallel ranks' losses: the
         loss of the global batch when every rank holds the same number of samples.
         The optimizer step is left to the caller. Under pipeline parallelism the
         batch is cut into micro-batches and run by the schedule (`minipar.pipeline.step`).
         """
+        check_batch(self.mesh, inputs, targets, self._vocab_size, self._block_size)
         if self.pipeline is not None:
             return self.pipeline.step(self.module, self.strategy, inputs, targets, loss_fn)
         loss = loss_fn(self(inputs), targets)

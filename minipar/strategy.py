@@ -26,6 +26,7 @@ the last no_sync backward and ``sync_grads``.
 from __future__ import annotations
 
 import abc
+import math
 import contextlib
 from dataclasses import dataclass
 from typing import Any
@@ -59,9 +60,11 @@ class DataParallelConfig:
         if self.strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}")
         cap = self.bucket_cap_mb
-        if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0:
-            raise ValueError(f"bucket_cap_mb={cap!r} must be a number > 0 (MiB per gradient bucket; "
+        if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not 0 < cap < math.inf:
+            raise ValueError(f"bucket_cap_mb={cap!r} must be a finite number > 0 (MiB per gradient bucket; "
                              "PyTorch DDP uses 25)")
+        if self.reshard_after_forward not in (None, True, False):
+            raise ValueError(f"reshard_after_forward={self.reshard_after_forward!r} must be True, False or None")
         if self.strategy == "ddp" and (self.mixed_precision is not None or self.cpu_offload
                                        or self.wrap_policy is not None):
             raise ValueError("mixed_precision, cpu_offload and wrap_policy apply to the sharded strategies (DDP "

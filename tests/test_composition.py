@@ -216,7 +216,7 @@ def test_flat_keywords_and_config_objects_are_the_same_options():
         (("ddp", None, PipelineConfig(), dict(microbatches=2)), "microbatches= is part of pipeline=PipelineConfig"),
         (("ddp", None, None, dict(micro_batches=2)), "unknown option 'micro_batches'"),
         (("zero4", None, None, {}), "unknown strategy 'zero4'"),
-        (("ddp", None, None, dict(bucket_cap_mb=0)), "bucket_cap_mb=0 must be a number > 0"),
+        (("ddp", None, None, dict(bucket_cap_mb=0)), "bucket_cap_mb=0 must be a finite number > 0"),
         (("ddp", None, None, dict(schedule="zigzag")), "unknown schedule 'zigzag'"),
     ]:
         with pytest.raises(ValueError, match=message):

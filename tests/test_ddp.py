@@ -352,8 +352,8 @@ def test_configuration_differing_between_ranks_raises_not_hangs(pools, what):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"bucket_cap_mb": 0}, "bucket_cap_mb=0 must be a number > 0"),
-    ({"bucket_cap_mb": -3.0}, "bucket_cap_mb=-3.0 must be a number > 0"),
+    ({"bucket_cap_mb": 0}, "bucket_cap_mb=0 must be a finite number > 0"),
+    ({"bucket_cap_mb": -3.0}, "bucket_cap_mb=-3.0 must be a finite number > 0"),
     ({"strategy": "zero9"}, "unknown strategy 'zero9'; choose one of ddp"),
 ])
 def test_bad_arguments_raise_before_any_communication(kwargs, match):

@@ -6,9 +6,9 @@
 
 from .cross_entropy import vocab_parallel_cross_entropy
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, mark_sequence_parallel
-from .parallelize import STYLES, SequenceShard, TensorParallelConfig, parallelize
+from .parallelize import STYLES, SequenceShard, TensorParallelConfig, check_plan, parallelize
 from .grads import clip_grad_norm_, tp_grad_norm
 
-__all__ = ["parallelize", "TensorParallelConfig", "SequenceShard", "STYLES", "ColumnParallelLinear", "RowParallelLinear",
+__all__ = ["parallelize", "check_plan", "TensorParallelConfig", "SequenceShard", "STYLES", "ColumnParallelLinear", "RowParallelLinear",
            "VocabParallelEmbedding", "vocab_parallel_cross_entropy", "mark_sequence_parallel",
            "clip_grad_norm_", "tp_grad_norm"]

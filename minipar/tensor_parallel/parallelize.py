@@ -72,10 +72,18 @@ def _enter_region_hook(mesh: Mesh, sequence_parallel: bool):
 @dataclass(frozen=True)
 class TensorParallelConfig:
     """How `ShardedModule` splits the model over tp > 1: ``plan`` (module-name patterns -> styles;
-    default: the model's ``tp_plan(tp, sequence_parallel)``) and sequence parallelism."""
+    default: the model's ``tp_plan(tp, sequence_parallel)``), sequence parallelism, and the seed
+    of the dropout streams (`TPRandom`)."""
 
     plan: dict | None = None
     sequence_parallel: bool = False
+    dropout_seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.plan is not None and not isinstance(self.plan, dict):
+            raise ValueError(f"tp_plan must be a dict {{'module.pattern': style}}, got {type(self.plan).__name__}")
+        if not isinstance(self.dropout_seed, int) or isinstance(self.dropout_seed, bool):
+            raise ValueError(f"dropout_seed={self.dropout_seed!r} must be an integer")
 
 
 def parallelize(module: nn.Module, mesh: Mesh, plan: dict[str, object], sequence_parallel: bool = False,
@@ -93,58 +101,25 @@ def parallelize(module: nn.Module, mesh: Mesh, plan: dict[str, object], sequence
     matched, sizes the tp size does not divide, or attention heads it does not
     (a projection inside a module with an integer ``head_dim``).
     """
-    names = [n for n, _ in module.named_modules() if n]
-    targets: list[tuple[str, object]] = []
-    for pattern, style in plan.items():
-        if style not in STYLES and not isinstance(style, SequenceShard):
-            raise ValueError(f"plan[{pattern!r}] = {style!r}: unknown style; use one of {STYLES} or SequenceShard(dim)")
-        matched = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
-        if not matched:
-            raise ValueError(f"plan entry {pattern!r} matches no module of {type(module).__name__}")
-        targets += [(n, style) for n in matched]
-
+    targets, region_of = check_plan(module, plan, mesh.tp)
     regions = [n for n, style in targets if style == "enter_region"]
-    region_of: dict[str, nn.Module] = {}
-    for name, style in targets:
-        if style == "colwise_in_region":
-            owner = max((r for r in regions if name.startswith(r + ".")), key=len, default=None)
-            if owner is None:
-                raise ValueError(f"plan: {name!r} is 'colwise_in_region' but no module above it is 'enter_region'; "
-                                 "mark its parent 'enter_region' or use 'colwise'")
-            region_of[name] = module.get_submodule(owner)
-
-    _check_heads(module, targets, mesh.tp)
-
-    # Build every replacement first, so a plan that fails leaves the module untouched.
-    # id(original weight) -> (its shard, shard dim, who), so tied weights stay tied
-    shared: dict[int, tuple[nn.Parameter, int, str]] = {}
+    # Build every replacement first, so that nothing is changed if one fails.
+    shared: dict[int, nn.Parameter] = {}  # id(original weight) -> its shard, so tied weights stay tied
     swaps = []
     for name, style in targets:
+        if style == "enter_region" or isinstance(style, SequenceShard):
+            continue  # hooks, added below
         parent_name, _, child = name.rpartition(".")
         parent = module.get_submodule(parent_name) if parent_name else module
         old = getattr(parent, child)
-        if style in ("enter_region",) or isinstance(style, SequenceShard):
-            continue  # hooks, added below
         new = _convert(old, style, mesh, sequence_parallel, name)
         if name in region_of:
-            new.region = [region_of[name]]  # a list: not registered as a submodule
-        dim = 1 if style == "rowwise" else 0
+            new.region = [module.get_submodule(region_of[name])]  # a list: not registered as a submodule
         if id(old.weight) in shared:
-            param, other_dim, other = shared[id(old.weight)]
-            if other_dim != dim:
-                raise ValueError(f"{name!r} and {other!r} share a weight but the plan shards it along "
-                                 f"different dims ({dim} and {other_dim}); give them compatible styles")
-            new.weight = param
+            new.weight = shared[id(old.weight)]
         else:
-            shared[id(old.weight)] = (new.weight, dim, name)
+            shared[id(old.weight)] = new.weight
         swaps.append((parent, child, new))
-    swapped = {id(getattr(parent, child)) for parent, child, _ in swaps}
-    for n, m in module.named_modules():
-        for p in m._parameters.values():
-            if p is not None and id(p) in shared and id(m) not in swapped:
-                raise ValueError(f"{n!r} shares a weight with {shared[id(p)][2]!r}, which the plan shards, but "
-                                 f"{n!r} is not in the plan: give it a compatible style too (or untie them)")
-
     for parent, child, new in swaps:
         setattr(parent, child, new)
     for name, style in targets:
@@ -174,6 +149,55 @@ def parallelize(module: nn.Module, mesh: Mesh, plan: dict[str, object], sequence
     return module
 
 
+def check_plan(module: nn.Module, plan: dict[str, object], tp: int) -> tuple[list, dict[str, str]]:
+    """Validate ``plan`` against ``module`` without changing it: ([(module name, style)], {name of a
+    'colwise_in_region' module: its region's name}). ValueError, saying what to change, for an
+    unknown style, a pattern that matches nothing, a style that does not fit its module, a size or
+    a head count tp does not divide, or a tied weight planned on one side only (or two ways)."""
+    names = [n for n, _ in module.named_modules() if n]
+    targets: list[tuple[str, object]] = []
+    for pattern, style in plan.items():
+        if style not in STYLES and not isinstance(style, SequenceShard):
+            raise ValueError(f"plan[{pattern!r}] = {style!r}: unknown style; use one of {STYLES} or SequenceShard(dim)")
+        matched = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+        if not matched:
+            raise ValueError(f"plan entry {pattern!r} matches no module of {type(module).__name__}")
+        targets += [(n, style) for n in matched]
+    regions = [n for n, style in targets if style == "enter_region"]
+    region_of: dict[str, str] = {}
+    for name, style in targets:
+        if style == "colwise_in_region":
+            owner = max((r for r in regions if name.startswith(r + ".")), key=len, default=None)
+            if owner is None:
+                raise ValueError(f"plan: {name!r} is 'colwise_in_region' but no module above it is 'enter_region'; "
+                                 "mark its parent 'enter_region' or use 'colwise'")
+            region_of[name] = owner
+    _check_heads(module, targets, tp)
+    split: dict[int, tuple[int, str]] = {}  # id(weight) -> (the dim the plan splits it along, who)
+    for name, style in targets:
+        if style == "enter_region" or isinstance(style, SequenceShard):
+            continue
+        old = module.get_submodule(name)
+        want = nn.Embedding if style == "vocab" else nn.Linear
+        if not isinstance(old, want):
+            raise ValueError(f"plan style {style!r} needs an nn.{want.__name__}, but {name!r} is {type(old).__name__}")
+        dim = 1 if style == "rowwise" else 0
+        if old.weight.shape[dim] % tp:
+            raise ValueError(f"{name}: size {old.weight.shape[dim]} along dim {dim} is not divisible by tp={tp}; "
+                             "use a tp that divides it, or leave this module out of the plan")
+        other_dim, other = split.setdefault(id(old.weight), (dim, name))
+        if other_dim != dim:
+            raise ValueError(f"{name!r} and {other!r} share a weight but the plan shards it along "
+                             f"different dims ({dim} and {other_dim}); give them compatible styles")
+    planned = {n for n, _ in targets}
+    for n, m in module.named_modules():
+        for p in m._parameters.values():
+            if p is not None and id(p) in split and n not in planned:
+                raise ValueError(f"{n!r} shares a weight with {split[id(p)][1]!r}, which the plan shards, but "
+                                 f"{n!r} is not in the plan: give it a compatible style too (or untie them)")
+    return targets, region_of
+
+
 def _check_heads(module: nn.Module, targets: list[tuple[str, object]], tp: int) -> None:
     """Attention heads must split whole over tp. A column-split projection whose parent module has an
     integer ``head_dim`` (the attention module, as in Hugging Face's and minipar's models) whose
@@ -193,9 +217,6 @@ def _check_heads(module: nn.Module, targets: list[tuple[str, object]], tp: int) 
 
 
 def _convert(old: nn.Module, style: str, mesh: Mesh, sequence_parallel: bool, name: str) -> nn.Module:
-    want = nn.Embedding if style == "vocab" else nn.Linear
-    if not isinstance(old, want):
-        raise ValueError(f"plan style {style!r} needs an nn.{want.__name__}, but {name!r} is {type(old).__name__}")
     if style == "vocab":
         return VocabParallelEmbedding(old, mesh, sequence_parallel=sequence_parallel)
     if style == "rowwise":

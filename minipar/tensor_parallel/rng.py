@@ -8,11 +8,18 @@ position/feature would be dropped in lock-step with its counterpart on the
 other ranks. `TPRandom` keeps two generator states, "replicated" (seeded
 alike on every tp rank) and "sharded" (seeded per tp rank), and swaps one in
 around each dropout site, leaving the global RNG as it was.
+
+Both streams differ between data-parallel replicas and pipeline stages: each
+replica trains on other samples, which must not share masks. Every stream's
+seed is derived from the user's seed and the rank's coordinates by a hash, so
+no two streams collide (seed + rank arithmetic would make replica 1's
+"replicated" stream replica 0's "sharded" one).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from typing import Iterator
 
 import torch
@@ -31,14 +38,22 @@ def _set_state(device: torch.device, state: torch.Tensor) -> None:
         torch.set_rng_state(state)
 
 
+def stream_seed(seed: int, region: str, *coordinates: int) -> int:
+    """A 63-bit seed for one stream, different for every (seed, region, coordinates)."""
+    text = f"{seed}/{region}/" + "/".join(map(str, coordinates))
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
+
+
 class TPRandom:
-    """Two RNG streams: "replicated" (seed) and "sharded" (seed + 1 + tp_rank)."""
+    """Two RNG streams: "replicated" (per dp replica and stage, equal over tp) and "sharded" (per rank)."""
 
     def __init__(self, mesh: Mesh, seed: int) -> None:
         self.device = mesh.device
         saved = _get_state(self.device)
         self.states: dict[str, torch.Tensor] = {}
-        for region, s in (("replicated", seed), ("sharded", seed + 1 + mesh.tp_rank)):
+        where = (mesh.pp_rank, mesh.dp_rank)
+        for region, s in (("replicated", stream_seed(seed, "replicated", *where)),
+                          ("sharded", stream_seed(seed, "sharded", *where, mesh.tp_rank))):
             torch.manual_seed(s) if self.device.type == "cpu" else torch.cuda.manual_seed(s)
             self.states[region] = _get_state(self.device)
         _set_state(self.device, saved)

@@ -1,0 +1,123 @@
+"""What `ShardedModule` checks before it communicates: the model and options at wrap time, each batch.
+
+Wrap time (`agree_on_model`): every rank of the world describes the model it
+was given (each parameter's and buffer's name, shape and dtype) and the
+options, in words that are equal on equal inputs (a function by its
+qualified name, never its address), and one collective compares them: a
+difference raises ValueError on every rank naming the two ranks, their mesh
+coordinates and the first difference. Then every rank takes world rank 0's
+initial weights (`broadcast_initial_state`), so ranks seeded differently
+still train one model: each tensor-parallel shard is cut from the same full
+tensor and every replica (over dp, tp, pp's tied copy) starts equal.
+
+Each step (`check_batch`): ids and targets inside the vocabulary (targets
+may be ``ignore_index``), a sequence no longer than the model's block size,
+and the batch shape equal on the ranks that must see the same batch (the
+tensor- and pipeline-parallel peers). Each rank tests its own batch, then one
+all-gather of a few integers over the world tells every rank what every rank
+found, so a bad batch raises on all of them instead of failing on one while
+the others wait.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from .mesh import Mesh, axis_rank_lists
+
+_SHAPE_DIMS = 4  # batch shapes compared: up to this many dims (ids are (batch, seq))
+
+
+def describe(value: Any) -> Any:
+    """A description of an option equal on every rank iff the options are: dataclasses by field,
+    functions and classes by qualified name (a repr would carry the object's address)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: describe(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, dict):
+        return {str(k): describe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [describe(v) for v in value]
+    if isinstance(value, (type, type(describe))) or callable(value) and hasattr(value, "__qualname__"):
+        return f"{getattr(value, '__module__', '?')}.{value.__qualname__}"
+    if isinstance(value, (bool, int, float, str, type(None))):
+        return value
+    return f"<{type(value).__module__}.{type(value).__qualname__}>"
+
+
+def model_structure(module: nn.Module) -> list[str]:
+    """"name shape dtype" of every parameter and buffer, in registration order."""
+    return [f"{n} {tuple(t.shape)} {t.dtype}" for n, t in module.state_dict(keep_vars=True).items()]
+
+
+def agree_on_model(mesh: Mesh, module: nn.Module, options: dict[str, Any]) -> None:
+    """ValueError on every rank unless every rank of the world holds the same model and options."""
+    mesh.comm.check_same("the ShardedModule configuration (model structure and options)",
+                         {"options": describe(options), "model": model_structure(module)}, mesh.world,
+                         where=mesh.where)
+
+
+@torch.no_grad()
+def broadcast_initial_state(module: nn.Module, mesh: Mesh) -> None:
+    """Every parameter and buffer of ``module`` takes world rank 0's value, one tensor at a time
+    through ``mesh.device`` (the whole model never needs to fit there at once)."""
+    for t in {id(t): t for t in list(module.parameters()) + list(module.buffers())}.values():
+        on_device = t.detach().to(mesh.device)
+        mesh.comm.broadcast(on_device, 0, mesh.world, tag="initial_state")
+        if on_device.data_ptr() != t.data_ptr():
+            t.copy_(on_device)
+
+
+def check_batch(mesh: Mesh, inputs: Any, targets: Any, vocab_size: int | None, block_size: int | None,
+                ignore_index: int = -100) -> None:
+    """ValueError on every rank if any rank's batch is bad (see the module docstring). One
+    all-gather of ``4 + 2 * _SHAPE_DIMS`` integers per rank over the world."""
+    mine = [0, 0, 0, 0]  # ids out of range, targets out of range, sequence too long, shapes differ
+    ids = inputs if torch.is_tensor(inputs) and not inputs.is_floating_point() else None
+    tgt = targets if torch.is_tensor(targets) and not targets.is_floating_point() else None
+    flags = []
+    if vocab_size is not None and ids is not None and ids.numel():
+        flags.append((ids.min() < 0) | (ids.max() >= vocab_size))
+    else:
+        flags.append(torch.tensor(False, device=mesh.device))
+    if vocab_size is not None and tgt is not None and tgt.numel():
+        bad = (tgt != ignore_index) & ((tgt < 0) | (tgt >= vocab_size))
+        flags.append(bad.any())
+    else:
+        flags.append(torch.tensor(False, device=mesh.device))
+    seq = ids.shape[1] if ids is not None and ids.dim() >= 2 else 0
+    mine[2] = int(block_size is not None and seq > block_size)
+    if ids is not None and tgt is not None and ids.shape != tgt.shape:
+        mine[3] = 1
+    shapes = [list(t.shape)[:_SHAPE_DIMS] + [-1] * (_SHAPE_DIMS - min(t.dim(), _SHAPE_DIMS)) if torch.is_tensor(t)
+              else [-2] * _SHAPE_DIMS for t in (inputs, targets)]
+    local = torch.stack([f.to(mesh.device, torch.int64) for f in flags] +
+                        [torch.tensor(v, device=mesh.device) for v in mine[2:] + shapes[0] + shapes[1]])
+    everyone = torch.empty(mesh.world_size * local.numel(), dtype=torch.int64, device=mesh.device)
+    mesh.comm.all_gather(everyone, local, mesh.world, tag="batch_check")
+    rows = everyone.view(mesh.world_size, -1).tolist()  # one host sync per step
+    problems = []
+    for r, row in enumerate(rows):
+        what = [w for w, bad in zip((f"token ids outside [0, {vocab_size})",
+                                     f"targets outside [0, {vocab_size}) other than ignore_index={ignore_index}",
+                                     f"a sequence longer than the block size {block_size}",
+                                     "inputs and targets of different shapes"), row[:4]) if bad]
+        if what:
+            problems.append(f"rank {r} ({mesh.where(r)}): {'; '.join(what)}")
+    for axis in ("tp", "pp"):  # these ranks cut one batch: they must be given the same shape
+        groups = axis_rank_lists(axis, dp=mesh.dp, tp=mesh.tp, pp=mesh.pp, ep=mesh.ep, dp_shard=mesh.dp_shard)
+        ranks = next((g for g in groups if len({tuple(rows[r][4:]) for r in g}) > 1), None)  # every group's,
+        if ranks is not None:  # not only this rank's: all ranks must raise together
+            got = {r: rows[r][4:] for r in ranks}
+            shown = ", ".join(f"rank {r}: {_shape(v[:_SHAPE_DIMS])}/{_shape(v[_SHAPE_DIMS:])}" for r, v in got.items())
+            problems.append(f"the {axis} ranks {list(ranks)} were given batches of different shapes "
+                            f"(inputs/targets): {shown}; give every rank of a {axis} group the same batch")
+    if problems:
+        raise ValueError("bad batch, nothing was computed:\n  " + "\n  ".join(problems))
+
+
+def _shape(dims: list[int]) -> str:
+    return "none" if dims[0] == -2 else str(tuple(d for d in dims if d >= 0))
