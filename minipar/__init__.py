@@ -11,7 +11,7 @@ Public API:
 """
 
 from . import checkpoint, recompute, regions
-from .comm import AxisGroup, Comm, CommStats
+from .comm import AxisGroup, CollectiveError, Comm, CommStats
 from .mesh import Mesh, init, shutdown
 from .precision import MixedPrecision
 from .pipeline import PipelineConfig
@@ -20,5 +20,5 @@ from .strategy import STRATEGIES, DataParallelConfig
 from .tensor_parallel import TensorParallelConfig
 
 __all__ = ["init", "shutdown", "Mesh", "ShardedModule", "STRATEGIES", "DataParallelConfig", "TensorParallelConfig",
-           "PipelineConfig", "MixedPrecision", "Comm", "CommStats", "AxisGroup", "regions", "checkpoint", "recompute"]
+           "PipelineConfig", "MixedPrecision", "Comm", "CommStats", "CollectiveError", "AxisGroup", "regions", "checkpoint", "recompute"]
 __version__ = "0.1.0"

@@ -24,6 +24,7 @@ process group, so each record says which mesh axis it travelled on.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator, NamedTuple, Sequence
@@ -132,6 +133,59 @@ class _Joined:
         return True
 
 
+class CollectiveError(RuntimeError):
+    """A collective that did not complete (it waited past the process group's timeout, or a peer
+    failed), named from the collective layer's ledger: op, mesh axis, ranks, tag, shape."""
+
+
+class _NamedWork:
+    """An async handle whose ``wait`` reports a failure as the `CollectiveError` of its collective."""
+
+    def __init__(self, work, what: Any, rank: int) -> None:
+        self._work, self._what, self._rank = work, what, rank
+
+    def wait(self, *args):
+        try:
+            return self._work.wait(*args)
+        except RuntimeError as e:
+            raise _collective_error(self._what, self._rank, e) from e
+
+    def __getattr__(self, name: str):
+        return getattr(self._work, name)
+
+
+def _collective_error(what: Any, rank: int, cause: BaseException) -> CollectiveError:
+    if isinstance(cause, CollectiveError):
+        return cause
+    if isinstance(what, tuple):
+        op, group, tag, shape, dtype = what
+        what = (f"{op} over {group.name!r} (ranks {list(group.ranks)}), tag {tag!r}, "
+                f"shape {tuple(shape) if shape is not None else '-'}, {dtype}")
+    return CollectiveError(f"rank {rank}: the collective {what} did not complete: {type(cause).__name__}: "
+                           f"{str(cause).strip()[:500]}\n(a rank that never reached it, or reached another "
+                           "collective first, is the usual cause; minipar.init(timeout=...) sets how long a "
+                           "collective may wait)")
+
+
+def _named(method):
+    """A collective of `Comm` whose failure, now or at ``wait()``, names it (`CollectiveError`)."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        self._current = None
+        try:
+            out = method(self, *args, **kwargs)
+        except RuntimeError as e:
+            raise _collective_error(self._current or method.__name__, _rank(), e) from e
+        if out is not None and self._current is not None and hasattr(out, "wait"):
+            return _NamedWork(out, self._current, _rank())
+        return out
+    return run
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
 def _is_gloo(group: AxisGroup) -> bool:
     return dist.get_backend(group.pg) == "gloo"
 
@@ -149,6 +203,7 @@ class Comm:
 
     def __init__(self) -> None:
         self._open_stats: list[CommStats] = []
+        self._current: tuple | None = None  # the collective being issued (`_record`), for error messages
 
     @contextlib.contextmanager
     def counting(self) -> Iterator[CommStats]:
@@ -160,7 +215,10 @@ class Comm:
         finally:
             self._open_stats.remove(stats)
 
-    def _record(self, op: str, group: AxisGroup, tag: str | None, payload: int, wire: float, dtype) -> None:
+    def _record(self, op: str, group: AxisGroup, tag: str | None, payload: int, wire: float, dtype,
+                shape: Any = None) -> None:
+        # The ledger of the call in progress: what an error (a timeout, a lost peer) is reported as.
+        self._current = (op, group, tag, shape, dtype)  # formatted only if it fails
         if self._open_stats:
             rec = CommRecord(op, group.name, tag, int(payload), int(round(wire)), dtype, time.perf_counter())
             for s in self._open_stats:
@@ -168,6 +226,7 @@ class Comm:
 
     # -- collectives -----------------------------------------------------------
 
+    @_named
     def all_reduce(self, tensor: torch.Tensor, group: AxisGroup, op: str = "sum",
                    async_op: bool = False, tag: str | None = None):
         """In place: tensor <- op over the group of every rank's tensor."""
@@ -175,9 +234,10 @@ class Comm:
         if n == 1:
             return _Done() if async_op else None
         b = _nbytes(tensor)
-        self._record("all_reduce", group, tag, b, 2 * (n - 1) / n * b, tensor.dtype)
+        self._record("all_reduce", group, tag, b, 2 * (n - 1) / n * b, tensor.dtype, tensor.shape)
         return dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=group.pg, async_op=async_op)
 
+    @_named
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, group: AxisGroup,
                        op: str = "sum", async_op: bool = False, tag: str | None = None,
                        input_is_scratch: bool = False):
@@ -199,7 +259,7 @@ class Comm:
                 output.copy_(input)
             return _Done() if async_op else None
         b = _nbytes(input)
-        self._record("reduce_scatter", group, tag, b, (n - 1) / n * b, input.dtype)
+        self._record("reduce_scatter", group, tag, b, (n - 1) / n * b, input.dtype, input.shape)
         if _is_gloo(group):
             # gloo's reduce-scatter copies the input and all-reduces all of it anyway, then scatters:
             # doing that ourselves (one copy, one all-reduce, keep our slice) takes half the time.
@@ -212,6 +272,7 @@ class Comm:
             return handle if async_op else handle.wait() and None
         return _reduce_scatter_flat(output, input, op=_REDUCE_OPS[op], group=group.pg, async_op=async_op)
 
+    @_named
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, group: AxisGroup,
                    async_op: bool = False, tag: str | None = None):
         """output <- every rank's input, concatenated along dim 0 in group order.
@@ -227,7 +288,7 @@ class Comm:
             output.copy_(input)
             return _Done() if async_op else None
         b = _nbytes(output)
-        self._record("all_gather", group, tag, b, (n - 1) / n * b, input.dtype)
+        self._record("all_gather", group, tag, b, (n - 1) / n * b, input.dtype, output.shape)
         if _is_gloo(group):
             # gloo's all-gather goes through a temporary and is ~3x slower than one broadcast per
             # rank straight into the output's slices, which moves the same bytes.
@@ -239,15 +300,17 @@ class Comm:
             return handle if async_op else handle.wait() and None
         return _all_gather_flat(output, input, group=group.pg, async_op=async_op)
 
+    @_named
     def broadcast(self, tensor: torch.Tensor, src: int, group: AxisGroup,
                   async_op: bool = False, tag: str | None = None):
         """In place: tensor <- the tensor of group member ``src`` (an index into group.ranks)."""
         if group.size == 1:
             return _Done() if async_op else None
         b = _nbytes(tensor)
-        self._record("broadcast", group, tag, b, b, tensor.dtype)
+        self._record("broadcast", group, tag, b, b, tensor.dtype, tensor.shape)
         return dist.broadcast(tensor, src=group.ranks[src], group=group.pg, async_op=async_op)
 
+    @_named
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, group: AxisGroup,
                    output_splits: Sequence[int] | None = None, input_splits: Sequence[int] | None = None,
                    async_op: bool = False, tag: str | None = None):
@@ -267,29 +330,32 @@ class Comm:
             output.copy_(input)
             return _Done() if async_op else None
         b = _nbytes(input)
-        self._record("all_to_all", group, tag, b, sent_to_others * row_bytes, input.dtype)
+        self._record("all_to_all", group, tag, b, sent_to_others * row_bytes, input.dtype, input.shape)
         out_splits = None if output_splits is None else [int(s) for s in output_splits]
         return dist.all_to_all_single(output, input, out_splits, input_splits, group=group.pg, async_op=async_op)
 
+    @_named
     def send(self, tensor: torch.Tensor, dst: int, group: AxisGroup, async_op: bool = False,
              tag: str | None = None):
         """Point-to-point send to group member ``dst``."""
         b = _nbytes(tensor)
-        self._record("send", group, tag, b, b, tensor.dtype)
+        self._record("send", group, tag, b, b, tensor.dtype, tensor.shape)
         if async_op:
             return dist.isend(tensor, group.ranks[dst], group=group.pg)
         dist.send(tensor, group.ranks[dst], group=group.pg)
         return None
 
+    @_named
     def recv(self, tensor: torch.Tensor, src: int, group: AxisGroup, async_op: bool = False,
              tag: str | None = None):
         """Point-to-point receive from group member ``src`` into ``tensor``."""
-        self._record("recv", group, tag, _nbytes(tensor), 0, tensor.dtype)
+        self._record("recv", group, tag, _nbytes(tensor), 0, tensor.dtype, tensor.shape)
         if async_op:
             return dist.irecv(tensor, group.ranks[src], group=group.pg)
         dist.recv(tensor, group.ranks[src], group=group.pg)
         return None
 
+    @_named
     def all_gather_object(self, obj: Any, group: AxisGroup, tag: str | None = None) -> list[Any]:
         """Every rank's picklable ``obj``, in group order (used for configuration checks)."""
         if group.size == 1:

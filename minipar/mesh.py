@@ -30,6 +30,7 @@ world (tests do), pass it explicitly, call `destroy()` to free its groups.
 from __future__ import annotations
 
 import gc
+import math
 import os
 import socket
 from datetime import timedelta
@@ -59,7 +60,8 @@ class Mesh:
     """
 
     def __init__(self, dp: int | None = None, tp: int = 1, pp: int = 1, ep: int = 1,
-                 device: torch.device | str | None = None, dp_shard: int | None = None) -> None:
+                 device: torch.device | str | None = None, dp_shard: int | None = None,
+                 timeout: timedelta | None = None) -> None:
         if not dist.is_initialized():
             raise ValueError("torch.distributed is not initialised: call minipar.init(...) "
                              "(it initialises from the torchrun environment), or "
@@ -75,6 +77,7 @@ class Mesh:
         self.edp_rank, self.ep_rank = divmod(dp_rank, ep)
         self.replicate_rank, self.shard_rank = divmod(dp_rank, dp_shard)
         self.device = torch.device(device) if device is not None else _default_device()
+        self.timeout = timeout  # of the groups this mesh creates (`init` gives the world's)
         self.comm = Comm()
 
         self._groups: dict[str, AxisGroup] = {}
@@ -101,7 +104,7 @@ class Mesh:
             return AxisGroup(axis, tuple(mine), mine.index(self.rank), built[key].pg)
         pg_mine = None
         for ranks in lists:  # every rank creates every group, in the same order
-            pg = dist.new_group(ranks)
+            pg = dist.new_group(ranks, timeout=self.timeout)  # None: torch's default
             if self.rank in ranks:
                 pg_mine = pg
                 self._owned_pgs.append(pg)
@@ -142,14 +145,22 @@ class Mesh:
 
 
 def init(dp: int | None = None, tp: int = 1, pp: int = 1, ep: int = 1, backend: str | None = None,
-         dp_shard: int | None = None) -> Mesh:
+         dp_shard: int | None = None, timeout: float | timedelta = 600.0) -> Mesh:
     """Initialise torch.distributed if needed and return the `Mesh`.
+
+    ``timeout`` (seconds, or a timedelta): how long a collective may wait for the other ranks before
+    it fails with a `minipar.comm.CollectiveError` naming it (op, axis, ranks, tag, shape) instead of
+    waiting on. It applies to the world and to every group of the mesh.
 
     Reads the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
     MASTER_PORT); without it, starts a world of one. The backend is nccl when
     every local rank has its own GPU, else gloo; ``backend`` or the environment
     variable MINIPAR_BACKEND overrides.
     """
+    if not isinstance(timeout, timedelta):
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
+            raise ValueError(f"timeout={timeout!r} must be a finite number of seconds > 0 (or a timedelta)")
+        timeout = timedelta(seconds=timeout)
     if not dist.is_initialized():
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
@@ -163,15 +174,15 @@ def init(dp: int | None = None, tp: int = 1, pp: int = 1, ep: int = 1, backend: 
             torch.cuda.set_device(local_rank)
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             dist.init_process_group(backend, store=_restart_store(), rank=int(os.environ["RANK"]),
-                                    world_size=int(os.environ["WORLD_SIZE"]), timeout=timedelta(minutes=10))
+                                    world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
         elif "RANK" in os.environ:
-            dist.init_process_group(backend, timeout=timedelta(minutes=10))
+            dist.init_process_group(backend, timeout=timeout)
         else:
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
             dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    return Mesh(dp=dp, tp=tp, pp=pp, ep=ep, dp_shard=dp_shard)
+    return Mesh(dp=dp, tp=tp, pp=pp, ep=ep, dp_shard=dp_shard, timeout=timeout)
 
 
 def _restart_store() -> dist.Store:

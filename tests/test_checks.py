@@ -211,3 +211,50 @@ def test_tensor_parallel_dropout_streams_differ_between_data_parallel_replicas(p
     assert [d for *_, d in again] == [d for *_, d in out]  # a function of the seed alone
     other = pools.run(4, _streams, 6)
     assert all(a[2]["replicated"] != b[2]["replicated"] for a, b in zip(out, other))
+
+
+# -- a collective that waits too long -------------------------------------------------------------
+
+def _lonely_collective(ctx):
+    import time
+    from datetime import timedelta
+
+    from minipar import AxisGroup, CollectiveError
+    mesh = Mesh()
+    pg = dist.new_group([0, 1], timeout=timedelta(seconds=2))  # as minipar.init(timeout=2) gives every group
+    group = AxisGroup("probe", (0, 1), ctx.rank, pg)
+    out = []
+    if ctx.rank == 0:  # rank 1 never joins
+        for async_op in (False, True):
+            start = time.monotonic()
+            try:
+                work = mesh.comm.all_reduce(torch.zeros(3, 2), group, async_op=async_op, tag=f"lonely_{async_op}")
+                if async_op:
+                    work.wait()
+                out.append(("completed", 0.0))
+            except CollectiveError as e:
+                out.append((str(e), time.monotonic() - start))
+    else:
+        time.sleep(5)
+    dist.barrier()  # the world's group is unaffected
+    dist.destroy_process_group(pg)
+    mesh.destroy()
+    return out
+
+
+def test_a_collective_past_its_timeout_names_itself(pools):
+    """Instead of a silent wait: an error on the waiting rank that says which collective (op, axis,
+    ranks, tag, shape), raised at the call or at wait() of an async handle."""
+    out, _ = pools.run(2, _lonely_collective, timeout=60)
+    assert len(out) == 2
+    for (message, waited), async_op in zip(out, (False, True)):
+        assert f"all_reduce over 'probe' (ranks [0, 1]), tag 'lonely_{async_op}', shape (3, 2)" in message, message
+        assert "minipar.init(timeout=...)" in message
+        assert waited < 20
+
+
+def test_init_refuses_a_timeout_that_is_not_a_positive_number():
+    import minipar
+    for bad in (0, -1.0, math.inf, "10"):
+        with pytest.raises(ValueError, match="must be a finite number of seconds > 0"):
+            minipar.init(timeout=bad)
