@@ -381,7 +381,8 @@ class Comm:
         name = lambda i: f"rank {group.ranks[i]}" + (f" ({where(group.ranks[i])})" if where else "")  # noqa: E731
         others = [group.ranks[i] for i, v in enumerate(values) if v != values[0]]
         lines = [f"{what} differs between ranks of the {group.name!r} group; build it identically on every rank.",
-                 f"ranks {others} differ from rank {group.ranks[0]}; {name(0)} and {name(odd)} differ first at "
+                 f"{', '.join(f'rank {r}' for r in others)} differ(s) from rank {group.ranks[0]}; {name(0)} and "
+                 f"{name(odd)} differ first at "
                  f"{first_difference(values[0], values[odd])}"]
         if all(len(repr(v)) <= 300 for v in values):
             lines += [f"  rank {r}: {v!r}" for r, v in zip(group.ranks, values)]

@@ -83,8 +83,8 @@ def test_dropped_token_passes_through_the_residual_as_zero():
 @pytest.mark.parametrize("kwargs, match", [
     (dict(n_experts=4, top_k=3), "the router supports k = 1 or 2"),
     (dict(n_experts=1, top_k=2), "top_k=2 is larger than the expert count 1"),
-    (dict(n_experts=4, top_k=1, capacity_factor=0.0), "capacity_factor=0.0 must be > 0"),
-    (dict(n_experts=4, top_k=1, capacity_factor=-1.0), "capacity_factor=-1.0 must be > 0"),
+    (dict(n_experts=4, top_k=1, capacity_factor=0.0), "capacity_factor=0.0 must be a finite number > 0"),
+    (dict(n_experts=4, top_k=1, capacity_factor=-1.0), "capacity_factor=-1.0 must be a finite number > 0"),
 ])
 def test_bad_moe_configuration_raises(kwargs, match):
     with pytest.raises(ValueError, match=match):
