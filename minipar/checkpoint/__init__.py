@@ -2,7 +2,8 @@
 
     from minipar import checkpoint
     checkpoint.save(root / "step_00000100", model, opt, extra_state={"step": 100})
-    extra = checkpoint.load(checkpoint.find_latest(root), model, opt)   # same or another layout
+    path = checkpoint.find_latest(root)                                 # None: nothing saved yet
+    extra = checkpoint.load(path, model, opt) if path is not None else {"step": 0}  # any layout
     state_dict = checkpoint.consolidate(path)                           # no processes needed
 
 What a checkpoint is. A directory holding one ``rank{r:05d}.pt`` per rank and
@@ -29,14 +30,17 @@ hyperparameters and the caller's ``extra_state``.
 Never torn. Every rank writes into ``.<name>.tmp`` next to the target; rank 0
 writes the manifest (each file's size and sha256, the layout, every parameter
 name and shape) last, then renames the directory into place and points
-``<root>/latest`` at it (each step an atomic rename). A crash at any moment
-leaves either the new checkpoint complete or the previous one untouched.
+``<root>/latest`` at it (each step an atomic rename). Replacing an existing
+checkpoint points ``latest`` at the new one before the old one is moved
+aside. At every instant `find_latest` returns a complete checkpoint, the
+previous one or the new one (the sequence: ``files.py``'s docstring).
 
 Never trusted. Loading refuses, with the reason, on every rank and before
 changing anything: a directory without a manifest (a save that did not
 finish), a file whose size or checksum differs from the manifest (truncated,
-corrupted), a checkpoint of another model (names or shapes differ) or
-optimizer, and a file that is not plain tensors: every file is read with
+corrupted: every file is checked, also those this layout does not read,
+each by one rank), a checkpoint of another model (names or shapes differ)
+or optimizer, and a file that is not plain tensors: every file is read with
 ``torch.load(weights_only=True)``, so no code in a checkpoint ever runs.
 
 Collectives go through ``mesh.comm``; every rank runs the same ones in the
@@ -48,15 +52,14 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .files import (FORMAT, VERSION, CheckpointError, check_plain, find_latest, publish,
-                    read_manifest, read_rank_file, sha256_of, step_path)
+from .files import (FORMAT, VERSION, CheckpointError, begin, check_plain, check_sums, find_latest, publish,
+                    read_manifest, read_rank_file, sha256_of, step_path, temporary)
 from .pieces import (Slot, agreed, assemble_full, cut_local, global_names, layout_of, missing_or_different,
                      optimizer_of, slots_of, split_state)
 
@@ -128,14 +131,13 @@ def save(path: str | os.PathLike, model, optimizer, extra_state: Any = None) -> 
     if len(set(paths)) > 1:
         raise CheckpointError(f"checkpoint.save was given different paths on different ranks: {sorted(set(paths))}; "
                               "pass the same directory on every rank")
-    tmp = path.parent / f".{path.name}.tmp"
+    tmp = temporary(path)
     error = None
-    if mesh.rank == 0:  # a stale temporary directory is a save that died: start afresh
+    if mesh.rank == 0:
         try:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        except OSError as e:
-            error = f"cannot create {tmp}: {e}"
+            begin(path)
+        except Exception as e:  # noqa: BLE001 -- any failure must reach every rank, not hang them
+            error = f"cannot create {tmp}: {type(e).__name__}: {e}"
     _agree(mesh, "checkpoint.save: creating the directory", error)
 
     slots = slots_of(model)
@@ -189,7 +191,7 @@ def save(path: str | os.PathLike, model, optimizer, extra_state: Any = None) -> 
 # -- load --------------------------------------------------------------------------------------------
 
 @torch.no_grad()
-def load(path: str | os.PathLike, model, optimizer) -> Any:
+def load(path: str | os.PathLike | None, model, optimizer) -> Any:
     """Load the checkpoint at ``path`` into ``model`` and ``optimizer`` (built as for `save`, under
     any layout); call it on every rank. Returns this rank's ``extra_state`` (rank 0's when the
     layout changed).
@@ -198,15 +200,20 @@ def load(path: str | os.PathLike, model, optimizer) -> Any:
     every rank gets rank 0's torch/Python/NumPy states and the device and tensor-parallel dropout
     streams are left as they are (they are per rank). Raises `CheckpointError` (a ValueError) on
     every rank, having changed nothing, when the checkpoint is incomplete, corrupted, not plain
-    tensor data, or of another model or optimizer.
+    tensor data, or of another model or optimizer, and when ``path`` is None (what `find_latest`
+    returns when nothing was saved yet: check for it to start fresh).
     """
-    mesh, path = model.mesh, Path(path)
+    mesh, path = model.mesh, (Path(path) if path is not None else None)
     slots = slots_of(model)
     names, _ = global_names(model)
     my_params = {s.name: list(s.full_shape) for s in slots}
     my_buffers = {names[id(b)]: list(b.shape) for b in model.module.buffers() if id(b) in names}
-    everyone = _agree(mesh, "checkpoint.load: the arguments check", None,
-                      (str(path.resolve()), my_params, my_buffers))
+    error = None if path is not None else (
+        "there is no checkpoint to load: the path is None, which is what find_latest(root) returns when "
+        "nothing was saved under root yet; to start fresh then, load only when there is one: "
+        "`path = checkpoint.find_latest(root)` and `if path is not None: checkpoint.load(path, model, opt)`")
+    everyone = _agree(mesh, "checkpoint.load: the arguments check", error,
+                      (str(path.resolve()) if path is not None else None, my_params, my_buffers))
     if len({p for p, _, _ in everyone}) > 1:
         raise CheckpointError(f"checkpoint.load was given different paths on different ranks: "
                               f"{sorted({p for p, _, _ in everyone})}; pass the same directory on every rank")
@@ -243,6 +250,10 @@ def _prepare(path: Path, model, optimizer, slots: list[Slot], all_params: dict, 
     wanted = {s.name for s in slots if s.hi > s.lo}
     files = [f for f, info in manifest["files"].items()
              if f == own or wanted & set(info["params"]) or my_buffers & set(info["buffers"])]
+    # Every file is checksummed by someone, also those no rank reads (a corrupted one is a bad
+    # checkpoint all the same): each rank its share, besides the files it reads (checked as read).
+    share = sorted(manifest["files"])[mesh.rank::mesh.world_size]
+    check_sums(path, manifest, [f for f in share if f not in files])
     payloads = {f: read_rank_file(path, f, manifest) for f in files}
     pieces: dict[str, list[dict]] = defaultdict(list)
     buffers: dict[str, torch.Tensor] = {}
@@ -347,9 +358,12 @@ def _apply(model, optimizer, plan: dict) -> Any:
     return plan["extra_state"]
 
 
-def consolidate(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+def consolidate(path: str | os.PathLike | None) -> dict[str, torch.Tensor]:
     """One plain state dict of the whole model (single-process names, full tensors, tied weights under
     both names), from any layout's checkpoint, without processes: ``GPT(cfg).load_state_dict(it)``."""
+    if path is None:
+        raise CheckpointError("consolidate(None): there is no checkpoint (find_latest(root) returns None "
+                              "when nothing was saved under root)")
     path = Path(path)
     manifest = read_manifest(path)
     pieces: dict[str, list[dict]] = defaultdict(list)

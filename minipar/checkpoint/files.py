@@ -5,6 +5,34 @@ and ``manifest.json`` (format, layout, every parameter's name and shape, each
 file's size and sha256), written last; ``<root>/latest`` names the newest
 complete directory. Rank files are read with ``torch.load(weights_only=True)``
 after their checksum matched.
+
+The invariant: at every instant, `find_latest(root)` returns a complete
+checkpoint -- the one it returned before a save began, or the new one -- and
+every directory under a final (not dot-prefixed) name is complete. A crash at
+any step below leaves a state that satisfies it, and the next save finishes or
+discards what the crash left. Saving to ``<root>/X`` (each step an atomic
+rename, each followed by an fsync of the directory):
+
+  `begin` (rank 0)  if ``latest`` names ``.X'.tmp`` of some X' (a replace
+                    that crashed after step 2), finish that replace (3-5);
+                    remove a stale ``.X.tmp`` and ``.X.old``; create ``.X.tmp``.
+  every rank        writes and fsyncs its ``rank{r:05d}.pt`` into ``.X.tmp``.
+  `publish` (rank 0)
+    1. ``manifest.json`` into ``.X.tmp``, last: from here ``.X.tmp`` is complete.
+    2. only if X exists (a replace): point ``latest`` at ``.X.tmp``. The new
+       checkpoint is the latest *before* the old one moves, so no instant has
+       ``latest`` naming a directory that is being moved away.
+    3. only if X exists: rename X to ``.X.old``.
+    4. rename ``.X.tmp`` to X. ``latest`` still names ``.X.tmp``, now gone:
+       `find_latest` then returns X (a ``.X.tmp`` that ``latest`` names only
+       ever disappears by this rename).
+    5. remove ``.X.old``, then point ``latest`` at X (in this order: while
+       ``latest`` names ``.X.tmp`` the next `begin` finishes the job, so a
+       crash in the removal leaves no old copy behind for good).
+
+Without step 2 (moving the old one aside first, as minipar once did) a crash
+between 3 and 4 left ``latest`` naming nothing and both checkpoints under
+hidden names, and a restart began from scratch.
 """
 
 from __future__ import annotations
@@ -32,17 +60,37 @@ def step_path(root: str | os.PathLike, step: int) -> Path:
 
 
 def find_latest(root: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint under ``root``: the one ``root/latest`` names, else (a crash
-    between the rename and the pointer update) the last complete directory by name; None if none."""
+    """The newest complete checkpoint under ``root``, or None when nothing was saved there yet (or
+    ``root`` does not exist): resume with ``path = find_latest(root); if path is not None: load(path, ...)``.
+
+    It is the directory ``root/latest`` names (or, if that is a ``.X.tmp`` renamed since, X: step 4
+    of a replace), else (a crash before the pointer was first written) the last complete one by name."""
     root = Path(root)
-    pointer = root / LATEST
-    if pointer.is_file():
-        target = root / pointer.read_text().strip()
-        if (target / MANIFEST).is_file():
-            return target
+    name = _pointed(root)
+    if name is not None:
+        for candidate in (name, _final_name(name)):
+            if candidate is not None and (root / candidate / MANIFEST).is_file():
+                return root / candidate
     complete = sorted(d for d in root.iterdir() if not d.name.startswith(".") and (d / MANIFEST).is_file()) \
         if root.is_dir() else []
     return complete[-1] if complete else None
+
+
+def temporary(path: Path) -> Path:
+    """Where a save of ``path`` writes: ``.name.tmp`` beside it (a hidden name: never a checkpoint by itself)."""
+    return path.parent / f".{path.name}.tmp"
+
+
+def _final_name(name: str) -> str | None:
+    """X for ``.X.tmp``; None for any other name."""
+    return name[1:-4] if name.startswith(".") and name.endswith(".tmp") and len(name) > 5 else None
+
+
+def _pointed(root: Path) -> str | None:
+    try:
+        return (root / LATEST).read_text().strip() or None
+    except OSError:
+        return None
 
 
 def check_plain(obj: Any, where: str = "extra_state") -> None:
@@ -84,16 +132,23 @@ def sha256_of(path: Path) -> str:
 
 
 def write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    _write_atomic(path, json.dumps(obj, indent=1))
+
+
+def begin(path: Path) -> Path:
+    """Rank 0, before any rank writes: an empty temporary directory for a save of ``path`` (see the
+    module docstring). A replace that crashed half-way is finished first, so that removing a stale
+    ``.X.tmp`` can never remove the checkpoint ``latest`` names."""
+    tmp = temporary(path)
+    _finish_interrupted(path.parent)
+    shutil.rmtree(tmp, ignore_errors=True)  # a save that died before its manifest: start afresh
+    shutil.rmtree(_aside(path), ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
 
 
 def publish(path: Path, tmp: Path, infos: list[dict], layout: dict, optimizer_name: str) -> None:
-    """Rank 0: manifest last, then the rename that makes the checkpoint exist, then the pointer."""
+    """Rank 0, once every rank's file is in ``tmp``: steps 1-5 of the module docstring."""
     params, buffers, aliases = {}, {}, {}
     for info in infos:
         for k, shape in info["shapes"].items():
@@ -103,19 +158,60 @@ def publish(path: Path, tmp: Path, infos: list[dict], layout: dict, optimizer_na
     manifest = {"format": FORMAT, "version": VERSION, "layout": layout,
                 "optimizer": optimizer_name, "params": params, "buffers": buffers, "aliases": aliases,
                 "files": {i["file"]: {k: i[k] for k in ("sha256", "bytes", "params", "buffers")} for i in infos}}
-    write_json(tmp / MANIFEST, manifest)
-    fsync_dir(tmp)
-    old = path.parent / f".{path.name}.old"
-    if path.exists():  # replacing: move the old one aside first, so a crash leaves one complete copy
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(path, old)
+    write_json(tmp / MANIFEST, manifest)  # 1: the checkpoint is complete, under its temporary name
+    if os.path.lexists(path):
+        _point(path.parent, tmp.name)  # 2: the new one is the latest before the old one moves
+    _move_into_place(tmp, path)  # 3, 4
+    _drop_old_and_point(path)  # 5
+
+
+def _move_into_place(tmp: Path, path: Path) -> None:
+    """Steps 3 and 4: the old ``path`` (if any) to ``.X.old``, then ``tmp`` to ``path``."""
+    if os.path.lexists(path):
+        shutil.rmtree(_aside(path), ignore_errors=True)  # never what latest names: garbage of a crash
+        os.rename(path, _aside(path))
+        fsync_dir(path.parent)
     os.rename(tmp, path)
     fsync_dir(path.parent)
-    shutil.rmtree(old, ignore_errors=True)
-    pointer = path.parent / LATEST
-    tmp_pointer = path.parent / f".{LATEST}.tmp"
-    tmp_pointer.write_text(path.name + "\n")
-    os.replace(tmp_pointer, pointer)
+
+
+def _drop_old_and_point(path: Path) -> None:
+    """Step 5: remove the old one, *then* point ``latest`` at ``path``: a crash in the removal leaves
+    ``latest`` naming ``.X.tmp``, so the next save (of any name) finishes it and no old copy is left."""
+    shutil.rmtree(_aside(path), ignore_errors=True)
+    _point(path.parent, path.name)
+
+
+def _finish_interrupted(root: Path) -> None:
+    """If ``latest`` names ``.X.tmp`` (a replace of X crashed after step 2), do steps 3-5 of it."""
+    name = _pointed(root)
+    final = _final_name(name) if name is not None else None
+    if final is None:
+        return
+    tmp, path = root / name, root / final
+    if (tmp / MANIFEST).is_file():
+        _move_into_place(tmp, path)
+    if (path / MANIFEST).is_file():
+        _drop_old_and_point(path)
+
+
+def _aside(path: Path) -> Path:
+    """Where a replace moves the old ``path``: ``.X.old``, a name `latest` never holds."""
+    return path.parent / f".{path.name}.old"
+
+
+def _point(root: Path, name: str) -> None:
+    _write_atomic(root / LATEST, name + "\n")
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """``path`` holds ``text`` or what it held before, never a part: write beside it, fsync, rename."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
     fsync_dir(path.parent)
 
 
@@ -142,11 +238,17 @@ def read_manifest(path: Path) -> dict:
     return manifest
 
 
+def check_sums(path: Path, manifest: dict, fnames: list[str]) -> None:
+    """CheckpointError unless each file of ``fnames`` has the sha256 the manifest gives it."""
+    for fname in fnames:
+        if sha256_of(path / fname) != manifest["files"][fname]["sha256"]:
+            raise CheckpointError(f"{path / fname}: sha256 differs from the manifest's: the file is corrupted")
+
+
 def read_rank_file(path: Path, fname: str, manifest: dict) -> dict:
     """One rank file, after its checksum matched; read as plain tensors only."""
+    check_sums(path, manifest, [fname])
     f = path / fname
-    if sha256_of(f) != manifest["files"][fname]["sha256"]:
-        raise CheckpointError(f"{f}: sha256 differs from the manifest's: the file is corrupted")
     try:
         payload = torch.load(f, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 -- an unpickling error of any kind is a refusal
