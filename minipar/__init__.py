@@ -11,7 +11,8 @@ Public API:
 """
 
 from . import checkpoint, recompute, regions
-from .comm import AxisGroup, CollectiveError, Comm, CommStats
+from .comm import AxisGroup, Comm, CommStats
+from .comm_errors import CollectiveError
 from .mesh import Mesh, init, shutdown
 from .precision import MixedPrecision
 from .pipeline import PipelineConfig

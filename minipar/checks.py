@@ -72,9 +72,11 @@ def broadcast_initial_state(module: nn.Module, mesh: Mesh) -> None:
 
 
 def check_batch(mesh: Mesh, inputs: Any, targets: Any, vocab_size: int | None, block_size: int | None,
-                ignore_index: int = -100) -> None:
+                ignore_index: int = -100, active: int = 1) -> list[int]:
     """ValueError on every rank if any rank's batch is bad (see the module docstring). One
-    all-gather of ``4 + 2 * _SHAPE_DIMS`` integers per rank over the world."""
+    all-gather of ``5 + 2 * _SHAPE_DIMS`` integers per rank over the world, which also carries
+    each rank's ``active`` flag (`minipar.join`: 1 training, 0 shadowing, -1 out of data before
+    its first step); returns every rank's flag."""
     mine = [0, 0, 0, 0]  # ids out of range, targets out of range, sequence too long, shapes differ
     ids = inputs if torch.is_tensor(inputs) and not inputs.is_floating_point() else None
     tgt = targets if torch.is_tensor(targets) and not targets.is_floating_point() else None
@@ -95,10 +97,15 @@ def check_batch(mesh: Mesh, inputs: Any, targets: Any, vocab_size: int | None, b
     shapes = [list(t.shape)[:_SHAPE_DIMS] + [-1] * (_SHAPE_DIMS - min(t.dim(), _SHAPE_DIMS)) if torch.is_tensor(t)
               else [-2] * _SHAPE_DIMS for t in (inputs, targets)]
     local = torch.stack([f.to(mesh.device, torch.int64) for f in flags] +
-                        [torch.tensor(v, device=mesh.device) for v in mine[2:] + shapes[0] + shapes[1]])
+                        [torch.tensor(v, device=mesh.device) for v in mine[2:] + shapes[0] + shapes[1] + [active]])
     everyone = torch.empty(mesh.world_size * local.numel(), dtype=torch.int64, device=mesh.device)
     mesh.comm.all_gather(everyone, local, mesh.world, tag="batch_check")
     rows = everyone.view(mesh.world_size, -1).tolist()  # one host sync per step
+    flags = [row.pop() for row in rows]
+    lost = [r for r, f in enumerate(flags) if f < 0]
+    if lost:
+        raise ValueError(f"ranks {lost} ran out of data inside join() before their first step, so they "
+                         "cannot shadow the others' steps; give every rank at least one batch")
     problems = []
     for r, row in enumerate(rows):
         what = [w for w, bad in zip((f"token ids outside [0, {vocab_size})",
@@ -117,6 +124,7 @@ def check_batch(mesh: Mesh, inputs: Any, targets: Any, vocab_size: int | None, b
                             f"(inputs/targets): {shown}; give every rank of a {axis} group the same batch")
     if problems:
         raise ValueError("bad batch, nothing was computed:\n  " + "\n  ".join(problems))
+    return flags
 
 
 def _shape(dims: list[int]) -> str:

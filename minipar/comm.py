@@ -24,13 +24,14 @@ process group, so each record says which mesh axis it travelled on.
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
+
+from .comm_errors import _named, first_difference
 
 # torch 2.13 renamed the flat-tensor collectives; 2.11 has only the old names.
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -131,59 +132,6 @@ class _Joined:
             self._finish()
             self._finish = None
         return True
-
-
-class CollectiveError(RuntimeError):
-    """A collective that did not complete (it waited past the process group's timeout, or a peer
-    failed), named from the collective layer's ledger: op, mesh axis, ranks, tag, shape."""
-
-
-class _NamedWork:
-    """An async handle whose ``wait`` reports a failure as the `CollectiveError` of its collective."""
-
-    def __init__(self, work, what: Any, rank: int) -> None:
-        self._work, self._what, self._rank = work, what, rank
-
-    def wait(self, *args):
-        try:
-            return self._work.wait(*args)
-        except RuntimeError as e:
-            raise _collective_error(self._what, self._rank, e) from e
-
-    def __getattr__(self, name: str):
-        return getattr(self._work, name)
-
-
-def _collective_error(what: Any, rank: int, cause: BaseException) -> CollectiveError:
-    if isinstance(cause, CollectiveError):
-        return cause
-    if isinstance(what, tuple):
-        op, group, tag, shape, dtype = what
-        what = (f"{op} over {group.name!r} (ranks {list(group.ranks)}), tag {tag!r}, "
-                f"shape {tuple(shape) if shape is not None else '-'}, {dtype}")
-    return CollectiveError(f"rank {rank}: the collective {what} did not complete: {type(cause).__name__}: "
-                           f"{str(cause).strip()[:500]}\n(a rank that never reached it, or reached another "
-                           "collective first, is the usual cause; minipar.init(timeout=...) sets how long a "
-                           "collective may wait)")
-
-
-def _named(method):
-    """A collective of `Comm` whose failure, now or at ``wait()``, names it (`CollectiveError`)."""
-    @functools.wraps(method)
-    def run(self, *args, **kwargs):
-        self._current = None
-        try:
-            out = method(self, *args, **kwargs)
-        except RuntimeError as e:
-            raise _collective_error(self._current or method.__name__, _rank(), e) from e
-        if out is not None and self._current is not None and hasattr(out, "wait"):
-            return _NamedWork(out, self._current, _rank())
-        return out
-    return run
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def _is_gloo(group: AxisGroup) -> bool:
@@ -387,20 +335,3 @@ class Comm:
         if all(len(repr(v)) <= 300 for v in values):
             lines += [f"  rank {r}: {v!r}" for r, v in zip(group.ranks, values)]
         raise ValueError("\n".join(lines))
-
-
-def first_difference(a: Any, b: Any, at: str = "") -> str:
-    """Where two descriptions (nested dicts, lists, scalars) first differ, and how."""
-    if isinstance(a, dict) and isinstance(b, dict):
-        for k in list(a) + [k for k in b if k not in a]:
-            if k not in a or k not in b:
-                return f"{at}[{k!r}]: present on only one of them"
-            if a[k] != b[k]:
-                return first_difference(a[k], b[k], f"{at}[{k!r}]")
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        for i, (x, y) in enumerate(zip(a, b)):
-            if x != y:
-                return first_difference(x, y, f"{at}[{i}]")
-        if len(a) != len(b):
-            return f"{at}: {len(a)} entries vs {len(b)}"
-    return f"{at or 'the value'}: {a!r} vs {b!r}"

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -30,6 +30,7 @@ from .checks import agree_on_model, broadcast_initial_state, check_batch
 from .fsdp import Zero3, select_units
 from .full_state import full_tensors
 from .grad_norm import clip_
+from .join import Join, scaled
 from .mesh import Mesh
 from .moe import check_moe_config, moe_layers, shard_experts
 from .recompute import check_units, checkpoint_modules, select_checkpointed
@@ -189,6 +190,7 @@ class ShardedModule(nn.Module):
         policy = dp_config.mixed_precision or FP32
         self._cast_inputs_to = policy.param_dtype if policy.param_dtype != torch.float32 else None
         self.strategy = build_strategy(dp_config, self.module, mesh, reshard_after_forward)
+        self._join: Join | None = None
         if runner is not None:  # every micro-batch accumulates locally; the step syncs once (pipeline.step)
             self.strategy.local_accumulation = True
 
@@ -213,7 +215,17 @@ class ShardedModule(nn.Module):
         The optimizer step is left to the caller. Under pipeline parallelism the
         batch is cut into micro-batches and run by the schedule (`minipar.pipeline.step`).
         """
-        check_batch(self.mesh, inputs, targets, self._vocab_size, self._block_size)
+        return self._train_step(inputs, targets, loss_fn)
+
+    def _train_step(self, inputs: Any, targets: Any, loss_fn: Callable, active: int = 1) -> torch.Tensor | None:
+        flags = check_batch(self.mesh, inputs, targets, self._vocab_size, self._block_size, active=active)
+        if self._join is not None:  # uneven data (`minipar.join`): None once no rank trains any more
+            if not any(f == 1 for f in flags):
+                return None
+            self._join.record("train_step", inputs, targets, loss_fn)
+            factor = Join.loss_factor(flags, self.mesh.group("dp").ranks, active)
+            if factor != 1.0:
+                loss_fn = scaled(loss_fn, factor)
         if self.pipeline is not None:
             return self.pipeline.step(self.module, self.strategy, inputs, targets, loss_fn)
         loss = loss_fn(self(inputs), targets)
@@ -234,6 +246,19 @@ class ShardedModule(nn.Module):
         """The most micro-batches whose activations this stage held at once in the last step."""
         return self.pipeline.peak_live_activations if self.pipeline is not None else 0
 
+    @contextlib.contextmanager
+    def join(self, optimizer) -> Iterator[None]:
+        """Train on uneven data: a rank that leaves the block while others still train shadows their
+        steps until all are done (`minipar.join`). ``optimizer``: the one ``build_optimizer`` gave."""
+        if self._join is not None:
+            raise ValueError("join() blocks do not nest")
+        self._join = Join(self, optimizer)
+        try:
+            yield
+            self._join.shadow()
+        finally:
+            self._join = None
+
     def build_optimizer(self, optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any):
         """The optimizer to step: ``optimizer_cls`` over the parameters this rank updates.
 
@@ -246,6 +271,8 @@ class ShardedModule(nn.Module):
         """Clip gradients by the norm of the whole model's gradient (`minipar.grad_norm`: every shard,
         padding excluded, tensor-parallel and expert pieces summed, stages summed, the tied weight
         once); returns that norm, equal on every rank."""
+        if self._join is not None:
+            self._join.record("clip", max_norm, norm_type)
         self.strategy.unscale_()  # reduced and, in fp16, the loss scale divided out
         last_tied_copy = self.module.tied_weight() if self.pipeline is not None and self.module.last \
             and not self.module.first else None

@@ -23,11 +23,13 @@ stage spread the new parameters (stages 1 and 2 all-gather them).
 from __future__ import annotations
 
 import contextlib
+from collections import OrderedDict
 from enum import Enum
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
+from torch.utils.hooks import RemovableHandle
 
 from . import kernels
 from .comm import AxisGroup
@@ -305,6 +307,7 @@ class ShardedOptimizer:
         self.state = state
         self.optimizer = optimizer_cls([g.master for g in state.groups], **kwargs)
         state.optimizer = self
+        self._step_hooks: OrderedDict[int, Any] = OrderedDict()  # weakly referenced by RemovableHandle
 
     @property
     def param_groups(self) -> list[dict]:
@@ -323,7 +326,15 @@ class ShardedOptimizer:
             if stepped:
                 self.optimizer.step()
         self.state.finish_step(not stepped)
+        for hook in list(self._step_hooks.values()):
+            hook(self, (), {})
         return stepped
+
+    def register_step_post_hook(self, hook) -> RemovableHandle:
+        """As ``torch.optim.Optimizer``'s: ``hook(optimizer, args, kwargs)`` after every step."""
+        handle = RemovableHandle(self._step_hooks)
+        self._step_hooks[handle.id] = hook
+        return handle
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.state.zero_grad()

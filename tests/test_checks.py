@@ -219,7 +219,7 @@ def _lonely_collective(ctx):
     import time
     from datetime import timedelta
 
-    from minipar import AxisGroup, CollectiveError
+    from minipar import AxisGroup, CollectiveError  # noqa: F401
     mesh = Mesh()
     pg = dist.new_group([0, 1], timeout=timedelta(seconds=2))  # as minipar.init(timeout=2) gives every group
     group = AxisGroup("probe", (0, 1), ctx.rank, pg)
