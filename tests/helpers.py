@@ -22,14 +22,14 @@ def batches(seed: int, steps: int, accum: int, world: int, local_bs: int, seq: i
     return torch.randint(0, vocab, (steps, accum, world * local_bs, seq + 1), generator=g)
 
 
-def accumulated_step(model, step_data: torch.Tensor, rows: slice, device) -> float:
-    """Forward/backward over this rank's micro-batches of one step (no_sync on all but the last);
-    returns the global loss of the step."""
+def accumulated_step(model, step_data: torch.Tensor, rows: slice, device, sync_all: bool = False) -> float:
+    """Forward/backward over this rank's micro-batches of one step (no_sync on all but the last, or
+    on none with ``sync_all``: every backward synchronises); returns the global loss of the step."""
     accum = step_data.shape[0]
     total = 0.0
     for a in range(accum):
         x = step_data[a, rows].to(device)
-        sync = contextlib.nullcontext() if a == accum - 1 else model.no_sync()
+        sync = contextlib.nullcontext() if sync_all or a == accum - 1 else model.no_sync()
         with sync:
             total += model.train_step(x[:, :-1], x[:, 1:], lambda out, y: gpt_loss(out, y) / accum).item()
     return total

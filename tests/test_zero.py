@@ -6,7 +6,9 @@ it performs the same casts and roundings the ranks do: each rank's chunk of the 
 bf16 copy of the fp32 master weights; what a rank reduces (every backward's gradient for zero2/3,
 the accumulated p.grad for zero1) is cast to the reduce dtype and divided by the world size; the
 ranks' pieces are summed and the sums accumulated in the reduce dtype; clipping scales the reduced
-gradient in the reduce dtype; AdamW steps the fp32 master.
+gradient in the reduce dtype; AdamW steps the fp32 master. When every backward of a zero1 step
+synchronises, a later one adds each rank's piece onto the slice it owns (which holds the sum so far)
+before the reduction; the reference adds in that order, element by element as the ranks own them.
 
 A bf16 reduction rounds after every addition, in an order the backend chooses (gloo's ring, NCCL's
 ring or tree, different per chunk), so the reference reproduces it only for one or two ranks: a sum
@@ -45,7 +47,7 @@ def _cpu(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.cpu() for k, v in state.items()}
 
 
-def _train_sharded(ctx, strategy, cfg, data, local_bs, precision, offload, max_norm, norm_type, wrap):
+def _train_sharded(ctx, strategy, cfg, data, local_bs, precision, offload, max_norm, norm_type, wrap, sync_all):
     # Built on the CPU, moved to ctx.device by ShardedModule; accumulated_step moves the inputs.
     model = GPT(GPTConfig(**{**cfg, "seed": cfg["seed"] + ctx.rank}))  # rank 0's weights must win
     mesh = Mesh()
@@ -57,16 +59,26 @@ def _train_sharded(ctx, strategy, cfg, data, local_bs, precision, offload, max_n
     rows = slice(ctx.rank * local_bs, (ctx.rank + 1) * local_bs)
     losses, norms = [], []
     for s in range(steps):
-        step_loss = accumulated_step(sharded, data[s], rows, ctx.device)
+        step_loss = accumulated_step(sharded, data[s], rows, ctx.device, sync_all)
         grads = _named(model, sharded.strategy.full_grads())
         norms.append(sharded.clip_grad_norm_(max_norm, norm_type).item())
         opt.step()
         opt.zero_grad()
         losses.append(step_loss)
-    return losses, norms, grads, _cpu(sharded.full_state_dict())
+    return losses, norms, grads, _cpu(sharded.full_state_dict()), _owners(model, sharded.strategy)
 
 
-def _train_reference(strategy, cfg, data, world, precision, max_norm, norm_type):
+def _owners(model: nn.Module, state) -> dict[str, torch.Tensor]:
+    """{name: the rank whose gradient shard holds each element of that parameter} (shaped like it)."""
+    owner = {}
+    for g in state.groups:
+        for p in g.layout.params:
+            a, b = g.layout.span(p)
+            owner[id(p)] = (torch.arange(a, b) // g.layout.shard_size).view(p.shape)
+    return {n: owner[id(p)] for n, p in model.named_parameters()}
+
+
+def _train_reference(strategy, cfg, data, world, precision, max_norm, norm_type, sync_all, owners):
     master = GPT(GPTConfig(**cfg))
     opt = torch.optim.AdamW(master.parameters(), lr=LR, weight_decay=WD, eps=EPS)
     policy = PRECISIONS[precision]
@@ -80,7 +92,7 @@ def _train_reference(strategy, cfg, data, world, precision, max_norm, norm_type)
             grads = {n: p.grad.clone() for n, p in master.named_parameters()}
             norms.append(torch.nn.utils.clip_grad_norm_(master.parameters(), max_norm, norm_type).item())
         else:
-            reduced, step_loss = _mixed_precision_gradient(strategy, master, data[s], world, policy)
+            reduced, step_loss = _mixed_precision_gradient(strategy, master, data[s], world, policy, sync_all, owners)
             losses.append(step_loss)
             grads = {n: g.float() for n, g in reduced.items()}
             # Clipping as the shards do it: the norm in fp32, the coefficient applied in the reduce dtype.
@@ -94,13 +106,15 @@ def _train_reference(strategy, cfg, data, world, precision, max_norm, norm_type)
     return losses, norms, grads, master.state_dict()
 
 
-def _mixed_precision_gradient(strategy, master, step_data, world, policy):
+def _mixed_precision_gradient(strategy, master, step_data, world, policy, sync_all, owners):
     """The data-parallel mean gradient of one step, in the reduce dtype, as the ranks compute it,
-    and the step's global loss. step_data: (accum, world * local_bs, seq + 1)."""
+    and the step's global loss. step_data: (accum, world * local_bs, seq + 1); owners: `_owners`."""
     compute = copy.deepcopy(master).to(policy.param_dtype)
     accum = step_data.shape[0]
     # sent[r][k]: what rank r contributes to reduction k, divided by the world size. zero2/3 reduce
-    # every backward's gradient; zero1 accumulates in p.grad (compute dtype) and reduces once.
+    # every backward's gradient; zero1 accumulates in p.grad (compute dtype) and reduces once,
+    # unless every backward synchronises (sync_all): then it too reduces each one.
+    per_backward = strategy != "zero1" or sync_all
     sent: list[list[dict[str, torch.Tensor]]] = []
     step_loss = 0.0
     for chunk in step_data.view(accum, world, -1, step_data.shape[-1]).unbind(1):  # rank r's micro-batches
@@ -111,20 +125,24 @@ def _mixed_precision_gradient(strategy, master, step_data, world, policy):
             loss = gpt_loss(compute(x[:, :-1]), x[:, 1:]) / accum
             loss.backward()
             step_loss += loss.item() / world
-            if strategy != "zero1":
+            if per_backward:
                 sent[-1].append({n: p.grad.to(policy.grad_dtype) / world for n, p in compute.named_parameters()})
                 compute.zero_grad()
-        if strategy == "zero1":
+        if not per_backward:
             sent[-1].append({n: p.grad.to(policy.grad_dtype) / world for n, p in compute.named_parameters()})
     # Each reduction sums the ranks' pieces in the reduce dtype; the reduced gradients accumulate in
-    # the gradient shard, also in the reduce dtype (zero1 reduces once: its shard is that sum).
+    # the gradient shard, also in the reduce dtype (zero1 reducing once: its shard is that sum).
     reduced = {n: torch.zeros_like(p, dtype=policy.grad_dtype) for n, p in master.named_parameters()}
+    onto_own_slice = strategy == "zero1" and sync_all  # see the module docstring
     for k in range(len(sent[0])):
         for n in reduced:
-            summed = sent[0][k][n]
-            for r in range(1, world):
-                summed = summed + sent[r][k][n]
-            reduced[n] += summed
+            pieces = [sent[r][k][n] for r in range(world)]
+            if onto_own_slice:
+                pieces = [torch.where(owners[n] == r, reduced[n] + x, x) for r, x in enumerate(pieces)]
+            summed = pieces[0]
+            for x in pieces[1:]:
+                summed = summed + x
+            reduced[n] = summed if onto_own_slice else reduced[n] + summed
     return reduced, step_loss
 
 
@@ -141,6 +159,7 @@ def zero_cases(draw):
                  n_head=n_head, n_embd=n_head * draw(st.sampled_from([4, 8])), bias=draw(st.booleans()),
                  tie_weights=draw(st.booleans()), seed=draw(st.integers(0, 2**16))),
         world=world, local_bs=draw(st.integers(1, 3)), accum=draw(st.integers(1, 2)), seq=seq,
+        sync_all=draw(st.booleans()),  # every micro-batch's backward synchronises (no no_sync)
         precision=precision, offload=draw(st.booleans()),
         norm_type=draw(st.sampled_from([1.0, 2.0, math.inf])),
         wrap=draw(st.sampled_from(["blocks", "block_class", "size"])),  # used by zero3 only
@@ -149,7 +168,8 @@ def zero_cases(draw):
 
 
 _BASE = dict(cfg=dict(vocab_size=13, block_size=3, n_layer=2, n_head=1, n_embd=4, bias=True, tie_weights=True,
-                      seed=5), local_bs=1, accum=2, seq=3, offload=False, norm_type=2.0, wrap="blocks", data_seed=1)
+                      seed=5), local_bs=1, accum=2, seq=3, sync_all=False, offload=False, norm_type=2.0, wrap="blocks",
+             data_seed=1)
 
 
 # The examples run for every stage, so each stage meets every precision whatever hypothesis draws.
@@ -161,21 +181,26 @@ _BASE = dict(cfg=dict(vocab_size=13, block_size=3, n_layer=2, n_head=1, n_embd=4
 @example(case={**_BASE, "world": 2, "precision": "bf16_bf16", "wrap": "size"})
 @example(case={**_BASE, "world": 2, "precision": "bf16_bf16", "offload": True, "norm_type": math.inf,
                "cfg": {**_BASE["cfg"], "tie_weights": False}})
+# Two synchronising backwards before zero_grad: the second adds onto the reduced shards.
+@example(case={**_BASE, "world": 3, "precision": "fp32", "sync_all": True})
+@example(case={**_BASE, "world": 2, "precision": "bf16_bf16", "sync_all": True, "norm_type": 1.0})
 def test_zero_equals_single_process(pools, strategy, case):
     """Three AdamW steps with clipping that fires: losses, gradient norms (types 1, 2, inf), gradients
     and parameters equal the reference (fp32 at fp32 tolerance; bf16 compute, with fp32 or bf16
     reduction, at bf16 tolerance), for each stage and sizes no world size divides, tied and untied
-    heads, accumulation, CPU offload and every wrap policy."""
+    heads, accumulation (under no_sync but the last micro-batch, or every backward synchronising,
+    before one zero_grad), CPU offload and every wrap policy."""
     cfg, world = case["cfg"], case["world"]
     data = batches(case["data_seed"], 3, case["accum"], world, case["local_bs"], case["seq"], cfg["vocab_size"])
     max_norm = 0.02 if case["norm_type"] != 1.0 else 0.5
-    ref = _train_reference(strategy, cfg, data, world, case["precision"], max_norm, case["norm_type"])
-    assert max(ref[1]) > max_norm, "clipping must fire for this test to mean anything"
     results = pools.run(world, _train_sharded, strategy, cfg, data, case["local_bs"], case["precision"],
-                        case["offload"], max_norm, case["norm_type"], case["wrap"])
+                        case["offload"], max_norm, case["norm_type"], case["wrap"], case["sync_all"])
+    ref = _train_reference(strategy, cfg, data, world, case["precision"], max_norm, case["norm_type"],
+                           case["sync_all"], results[0][4])
+    assert max(ref[1]) > max_norm, "clipping must fire for this test to mean anything"
     tol = {} if case["precision"] == "fp32" else dict(rtol=1.6e-2, atol=1e-5)  # the defaults for fp32 / bf16
     f32 = lambda xs: torch.tensor(xs, dtype=torch.float32)  # noqa: E731
-    for rank, (losses, norms, grads, params) in enumerate(results):
+    for rank, (losses, norms, grads, params, _) in enumerate(results):
         torch.testing.assert_close(f32(losses), f32(ref[0]), **tol, msg=lambda m: f"rank {rank} losses: {m}")
         torch.testing.assert_close(f32(norms), f32(ref[1]), **tol, msg=lambda m: f"rank {rank} norms: {m}")
         for name, g in ref[2].items():
