@@ -96,8 +96,9 @@ def check_batch(mesh: Mesh, inputs: Any, targets: Any, vocab_size: int | None, b
         mine[3] = 1
     shapes = [list(t.shape)[:_SHAPE_DIMS] + [-1] * (_SHAPE_DIMS - min(t.dim(), _SHAPE_DIMS)) if torch.is_tensor(t)
               else [-2] * _SHAPE_DIMS for t in (inputs, targets)]
-    local = torch.stack([f.to(mesh.device, torch.int64) for f in flags] +
-                        [torch.tensor(v, device=mesh.device) for v in mine[2:] + shapes[0] + shapes[1] + [active]])
+    # the range flags stay on the device (no sync); the rest travels in one host-to-device copy
+    local = torch.cat([torch.stack(flags).to(mesh.device, torch.int64),
+                       torch.tensor(mine[2:] + shapes[0] + shapes[1] + [active], device=mesh.device)])
     everyone = torch.empty(mesh.world_size * local.numel(), dtype=torch.int64, device=mesh.device)
     mesh.comm.all_gather(everyone, local, mesh.world, tag="batch_check")
     rows = everyone.view(mesh.world_size, -1).tolist()  # one host sync per step
