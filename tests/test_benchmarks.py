@@ -130,3 +130,21 @@ def test_compose_vs_torch_runs_and_reports_ratios_and_agreeing_losses(tmp_path):
     assert re.search(r"all_reduce/dp_replicate \(\d+ on rank 0\)", hsdp) and "reduce_scatter/dp_shard" in hsdp
     zero3_pp = out[out.index("  zero3_pp:"):out.index("  hsdp:")]
     assert "dp_shard" not in zero3_pp and "dp_replicate" not in zero3_pp
+
+
+def test_soak_runs_and_reports_rss_growth_and_the_batch_check_share(tmp_path):
+    """benchmarks/soak.py --smoke on the main job's layout (4 ranks, tp=2 x pp=2): one RSS line per
+    sample with every rank's MiB, the growth after the warm-up per rank and its largest, and the
+    batch check's share of the step, the same figures in --json. No goal is asserted (20 steps say
+    nothing about a leak, and the share is a timing): the 1000-step run is the measurement."""
+    result = tmp_path / "soak.json"
+    out = _torchrun("soak.py", "--smoke", "--json", str(result), nproc=4)
+    figures = json.loads(result.read_text())
+    assert sorted(map(int, figures["rss_bytes"])) == [0, 2, 5, 10, 15, 20]  # every 5, the warm-up (10%), the end
+    for done, rss in figures["rss_bytes"].items():
+        assert len(rss) == 4 and all(b > 0 for b in rss)
+        assert re.search(rf"^\s*{done}" + r"\s+[\d.]+" * 4 + "$", out, re.M), (done, out)
+    growth = _number(r"RSS growth after warm-up: max ([+-][\d.]+)% \(goal < 2%\): (?:met|NOT met)", out)
+    assert round(figures["rss_growth_max"] * 100, 2) == growth == round(max(figures["rss_growth"]) * 100, 2)
+    share = _number(r"batch check: [\d.]+ ms = ([\d.]+)% of the step", out)
+    assert share > 0 and round(max(figures["batch_check_share"]) * 100, 2) == share
