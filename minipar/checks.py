@@ -72,12 +72,14 @@ def broadcast_initial_state(module: nn.Module, mesh: Mesh) -> None:
 
 
 def check_batch(mesh: Mesh, inputs: Any, targets: Any, vocab_size: int | None, block_size: int | None,
-                ignore_index: int = -100, active: int = 1) -> list[int]:
+                ignore_index: int = -100, active: int = 1, microbatches: int = 1, seq_shards: int = 1) -> list[int]:
     """ValueError on every rank if any rank's batch is bad (see the module docstring). One
-    all-gather of ``5 + 2 * _SHAPE_DIMS`` integers per rank over the world, which also carries
+    all-gather of ``7 + 2 * _SHAPE_DIMS`` integers per rank over the world, which also carries
     each rank's ``active`` flag (`minipar.join`: 1 training, 0 shadowing, -1 out of data before
-    its first step); returns every rank's flag."""
-    mine = [0, 0, 0, 0]  # ids out of range, targets out of range, sequence too long, shapes differ
+    its first step); returns every rank's flag. ``microbatches`` must divide the batch and
+    ``seq_shards`` (tp under sequence parallelism) the sequence."""
+    # ids out of range, targets out of range, sequence too long, shapes differ, batch or sequence not divisible
+    mine = [0, 0, 0, 0, 0, 0]
     ids = inputs if torch.is_tensor(inputs) and not inputs.is_floating_point() else None
     tgt = targets if torch.is_tensor(targets) and not targets.is_floating_point() else None
     flags = []
@@ -94,6 +96,9 @@ def check_batch(mesh: Mesh, inputs: Any, targets: Any, vocab_size: int | None, b
     mine[2] = int(block_size is not None and seq > block_size)
     if ids is not None and tgt is not None and ids.shape != tgt.shape:
         mine[3] = 1
+    lead = inputs if torch.is_tensor(inputs) else None
+    mine[4] = int(lead is not None and lead.dim() >= 1 and lead.shape[0] % microbatches != 0)
+    mine[5] = int(lead is not None and lead.dim() >= 2 and lead.shape[1] % seq_shards != 0)
     shapes = [list(t.shape)[:_SHAPE_DIMS] + [-1] * (_SHAPE_DIMS - min(t.dim(), _SHAPE_DIMS)) if torch.is_tensor(t)
               else [-2] * _SHAPE_DIMS for t in (inputs, targets)]
     # the range flags stay on the device (no sync); the rest travels in one host-to-device copy
@@ -109,17 +114,22 @@ def check_batch(mesh: Mesh, inputs: Any, targets: Any, vocab_size: int | None, b
                          "cannot shadow the others' steps; give every rank at least one batch")
     problems = []
     for r, row in enumerate(rows):
+        b, t = row[6], row[7]  # this rank's inputs' batch and sequence lengths
         what = [w for w, bad in zip((f"token ids outside [0, {vocab_size})",
                                      f"targets outside [0, {vocab_size}) other than ignore_index={ignore_index}",
                                      f"a sequence longer than the block size {block_size}",
-                                     "inputs and targets of different shapes"), row[:4]) if bad]
+                                     "inputs and targets of different shapes",
+                                     f"a batch of {b} does not split into microbatches={microbatches}; use a batch "
+                                     "size divisible by the micro-batch count",
+                                     f"a sequence of {t} does not split into tp={seq_shards} shards for sequence "
+                                     "parallelism; use a sequence length divisible by tp"), row[:6]) if bad]
         if what:
             problems.append(f"rank {r} ({mesh.where(r)}): {'; '.join(what)}")
     for axis in ("tp", "pp"):  # these ranks cut one batch: they must be given the same shape
         groups = axis_rank_lists(axis, dp=mesh.dp, tp=mesh.tp, pp=mesh.pp, ep=mesh.ep, dp_shard=mesh.dp_shard)
-        ranks = next((g for g in groups if len({tuple(rows[r][4:]) for r in g}) > 1), None)  # every group's,
+        ranks = next((g for g in groups if len({tuple(rows[r][6:]) for r in g}) > 1), None)  # every group's,
         if ranks is not None:  # not only this rank's: all ranks must raise together
-            got = {r: rows[r][4:] for r in ranks}
+            got = {r: rows[r][6:] for r in ranks}
             shown = ", ".join(f"rank {r}: {_shape(v[:_SHAPE_DIMS])}/{_shape(v[_SHAPE_DIMS:])}" for r, v in got.items())
             problems.append(f"the {axis} ranks {list(ranks)} were given batches of different shapes "
                             f"(inputs/targets): {shown}; give every rank of a {axis} group the same batch")

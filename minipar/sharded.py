@@ -164,6 +164,7 @@ class ShardedModule(nn.Module):
         broadcast_initial_state(module, mesh)
         config = getattr(module, "config", None)  # what a batch is checked against (`minipar.checks`)
         self._vocab_size = getattr(config, "vocab_size", None)
+        self._seq_shards = mesh.tp if sequence_parallel else 1  # each tp rank holds a slice of the sequence
         self._block_size = next((getattr(config, k) for k in ("block_size", "max_position_embeddings", "n_positions")
                                  if isinstance(getattr(config, k, None), int)), None)
         self.mesh = mesh
@@ -218,7 +219,9 @@ class ShardedModule(nn.Module):
         return self._train_step(inputs, targets, loss_fn)
 
     def _train_step(self, inputs: Any, targets: Any, loss_fn: Callable, active: int = 1) -> torch.Tensor | None:
-        flags = check_batch(self.mesh, inputs, targets, self._vocab_size, self._block_size, active=active)
+        flags = check_batch(self.mesh, inputs, targets, self._vocab_size, self._block_size, active=active,
+                            microbatches=self.pipeline.microbatches if self.pipeline is not None else 1,
+                            seq_shards=self._seq_shards)
         if self._join is not None:  # uneven data (`minipar.join`): None once no rank trains any more
             if not any(f == 1 for f in flags):
                 return None

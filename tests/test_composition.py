@@ -269,7 +269,8 @@ def _refuse(ctx, sizes, cfg, options, when):
             model.train_step(x[:, :-1], x[:, 1:], model.cross_entropy)
         return "nowhere", None, []
     except ValueError as e:
-        return "train_step", str(e), [r.op for r in stats.records]
+        # the batch check's all-gather is how every rank learns that some rank's batch is bad
+        return "train_step", str(e), [r.op for r in stats.records if r.tag != "batch_check"]
     finally:
         dist.barrier()  # every rank raised and the world is still in step
         mesh.destroy()
@@ -280,7 +281,8 @@ def test_every_remaining_refusal_raises_on_every_rank_before_any_collective(pool
                                                                              message):
     """Each refusal names the fix; raised on every one of 4 ranks, in the constructor (after no
     collective but the configuration check, whose failure is itself this refusal on a mismatch) or
-    in train_step before any activation, gradient or loss moved."""
+    in train_step after only the batch check (`minipar.checks.check_batch`, so that one rank's bad
+    batch raises on all of them), before any activation, gradient or loss moved."""
     for rank, (where, msg, issued) in enumerate(pools.run(4, _refuse, sizes, cfg, options, when)):
         assert where == when and msg is not None and message in msg, (rank, where, msg)
         assert issued == [], f"rank {rank}: collectives before the ValueError: {issued}"

@@ -78,7 +78,7 @@ def _owners(model: nn.Module, state) -> dict[str, torch.Tensor]:
     return {n: owner[id(p)] for n, p in model.named_parameters()}
 
 
-def _train_reference(strategy, cfg, data, world, precision, max_norm, norm_type, sync_all, owners):
+def _train_reference(strategy, cfg, data, world, precision, max_norm, norm_type, sync_all=False, owners=None):
     master = GPT(GPTConfig(**cfg))
     opt = torch.optim.AdamW(master.parameters(), lr=LR, weight_decay=WD, eps=EPS)
     policy = PRECISIONS[precision]
