@@ -2,8 +2,8 @@
 
 How a step goes:
 
-1. Wrapping broadcasts parameters and buffers from data-parallel rank 0, then
-   lays the gradients out in flat buckets of about ``bucket_cap_mb``, in
+1. Wrapping (after `ShardedModule` made every rank agree on the model and
+   take world rank 0's weights, `minipar.checks`) lays the gradients out in flat buckets of about ``bucket_cap_mb``, in
    *reverse* registration order (the order backward produces them), one dtype
    per bucket. Each parameter's ``.grad`` becomes a view into its bucket, so
    the all-reduce needs no copy in or out.
@@ -38,7 +38,6 @@ sums what every rank of its expert-parallel group sent it.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -115,15 +114,11 @@ class DataParallel(BucketHooks, Strategy):
         self.bucket_cap_bytes = max(1, int(bucket_cap_mb * 2**20))
 
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        self.comm.check_same("the DDP configuration (bucket_cap_mb and the module's parameters)",
-                             {"bucket_cap_mb": bucket_cap_mb, "parameters": signature(named)}, self.group)
         dense = [p for _, p in named if not placement_of(p).expert]
         experts = [p for _, p in named if placement_of(p).expert]
-        broadcast_from_rank0(dense + list(module.buffers()), self.comm, self.group)
         self.buckets = self._build_buckets(dense[::-1], self.group, self.group.size)
         if experts:
             edp = mesh.group("edp")
-            broadcast_from_rank0(experts, self.comm, edp)
             self.buckets += self._build_buckets(experts[::-1], edp, self.group.size, first=len(self.buckets))
         self.scaler = LossScaler(1.0, 1, enabled=False)  # fp32 only: nothing to scale
         self.optimizer: torch.optim.Optimizer | None = None
@@ -149,11 +144,12 @@ class DataParallel(BucketHooks, Strategy):
     # -- backward ----------------------------------------------------------
 
     def _keeps_local(self, bucket: Bucket, i: int) -> bool:
-        absorb(bucket.params[i], bucket.views[i])  # no_sync too: accumulate in the bucket, in place
         self._used[bucket.first_slot + i] = 1
-        if not self._sync:
-            self._pending = True
-        return not self._sync
+        if self._sync:
+            return False  # take() moves it into the bucket
+        absorb(bucket.params[i], bucket.views[i])  # no_sync: accumulate in the bucket, in place
+        self._pending = True
+        return True
 
     def _finish_backward(self) -> None:
         self.order.launch_rest()
@@ -211,21 +207,6 @@ class DataParallel(BucketHooks, Strategy):
                 "optimizer": storage_bytes(state, set())}
 
 
-@torch.no_grad()
-def broadcast_from_rank0(module: nn.Module | list[torch.Tensor], comm: Comm, group: AxisGroup) -> None:
-    """Make every rank's parameters and buffers (of a module, or the tensors given) equal to the
-    group's first rank's, one broadcast per dtype."""
-    tensors = list(module.parameters()) + list(module.buffers()) if isinstance(module, nn.Module) else module
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
-    for ts in by_dtype.values():
-        flat = torch.cat([t.detach().reshape(-1) for t in ts])
-        comm.broadcast(flat, 0, group, tag="init")
-        for t, piece in zip(ts, flat.split([t.numel() for t in ts])):
-            t.copy_(piece.view_as(t))
-
-
 def bucket_params(params: list[nn.Parameter], cap_bytes: int) -> list[list[nn.Parameter]]:
     """Cut ``params`` (in the order given) into buckets, one dtype and device each.
 
@@ -247,9 +228,3 @@ def bucket_params(params: list[nn.Parameter], cap_bytes: int) -> list[list[nn.Pa
             groups.append([p])
             open_group[key] = (len(groups) - 1, nbytes)
     return groups
-
-
-def signature(named: list[tuple[str, nn.Parameter]]) -> str:
-    """A short digest of names, shapes and dtypes: equal on every rank iff the models match."""
-    text = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in named)
-    return f"{len(named)} tensors, sha1 {hashlib.sha1(text.encode()).hexdigest()[:12]}"

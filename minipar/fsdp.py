@@ -48,7 +48,6 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
-from .ddp import signature
 from .flat import FlatLayout, ShardGroup
 from .grad_buckets import EndOfBackward, GradStaging, LaunchOrder
 from .mesh import Mesh
@@ -107,14 +106,10 @@ class Zero3(ShardedState):
                  wrap_policy: Any = None, reshard_after_forward: bool = True) -> None:
         super().__init__(mesh, policy, offload)
         unit_modules = select_units(module, wrap_policy)
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        self.comm.check_same("the zero3 configuration", {
-            "policy": repr(policy), "offload": offload, "reshard_after_forward": reshard_after_forward,
-            "units": [n for n, _ in unit_modules], "parameters": signature(named)}, self.group)
         self.reshard_after_forward = reshard_after_forward
         self.units: list[Unit] = []
         owned = assign_params(module, unit_modules)
-        axes = {id(p): axis for ps, axis in self.shard_axes(module, [p for ps in owned for p in ps]) for p in ps}
+        axes = {id(p): axis for ps, axis in self.shard_axes([p for ps in owned for p in ps]) for p in ps}
         for (name, m), params in zip(unit_modules + [("<root>", module)], owned):
             if params:
                 parts = [self._make_part([p for p in params if axes[id(p)] is axis], axis, mesh.device)

@@ -33,7 +33,6 @@ from torch.utils.hooks import RemovableHandle
 
 from . import kernels
 from .comm import AxisGroup
-from .ddp import broadcast_from_rank0
 from .flat import FlatLayout, ShardGroup
 from .grad_norm import GradPiece
 from .mesh import Mesh
@@ -87,17 +86,15 @@ class ShardedState(Strategy):
         self._found_inf = False
         self._shards_written = False  # the fused step wrote the compute shards already
 
-    def shard_axes(self, module: nn.Module, params: list[nn.Parameter]) -> list[tuple[list[nn.Parameter], AxisGroup]]:
+    def shard_axes(self, params: list[nn.Parameter]) -> list[tuple[list[nn.Parameter], AxisGroup]]:
         """``params`` split by the axis their flat groups shard over, each kept in the order given:
         dense parameters over dp (dp_shard under HSDP), experts over edp (the replicas of the same
-        experts). Parameters (and ``module``'s buffers) start equal over the ranks that replicate
-        them: the first one's are broadcast, over dp for dense ones, over edp for experts."""
+        experts). Replicas already start equal: `ShardedModule` gave every rank world rank 0's
+        weights (`minipar.checks.broadcast_initial_state`)."""
         dense = [p for p in params if not placement_of(p).expert]
         experts = [p for p in params if placement_of(p).expert]
-        broadcast_from_rank0(dense + list(module.buffers()), self.comm, self.group)
         out = [(dense, self.mesh.group("dp_shard" if self.mesh.hsdp else "dp"))] if dense else []
         if experts:
-            broadcast_from_rank0(experts, self.comm, self.mesh.group("edp"))
             out.append((experts, self.mesh.group("edp")))
         return out
 

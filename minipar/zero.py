@@ -44,7 +44,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .ddp import bucket_params, signature
+from .ddp import bucket_params
 from .flat import FlatLayout, ShardGroup
 from .grad_buckets import BucketHooks, GradStaging, ShardBucket, claim, divide_into
 from .mesh import Mesh
@@ -63,12 +63,9 @@ class _BucketedShards(BucketHooks, ShardedState):
                  bucket_cap_mb: float) -> None:
         super().__init__(mesh, policy, offload)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        self.comm.check_same(f"the zero{self.stage} configuration", {
-            "policy": repr(policy), "offload": offload, "bucket_cap_mb": bucket_cap_mb,
-            "parameters": signature(named)}, self.group)
         cap = max(1, int(bucket_cap_mb * 2**20))
         # Buckets in backward order, dense ones first, each over its shard axis (experts: edp).
-        self._setup(mesh, [(bucket, axis) for params, axis in self.shard_axes(module, [p for _, p in reversed(named)])
+        self._setup(mesh, [(bucket, axis) for params, axis in self.shard_axes([p for _, p in reversed(named)])
                            for bucket in bucket_params(params, cap)])
         self.buckets = self._make_buckets()
         self._hook_buckets(self.comm, window=2)  # at most two launched staging buffers wait to land
