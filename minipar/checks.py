@@ -22,6 +22,7 @@ the others wait.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 import torch
@@ -41,11 +42,11 @@ def describe(value: Any) -> Any:
         return {str(k): describe(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [describe(v) for v in value]
-    if isinstance(value, (type, type(describe))) or callable(value) and hasattr(value, "__qualname__"):
+    if callable(value) and hasattr(value, "__qualname__"):  # functions, classes
         return f"{getattr(value, '__module__', '?')}.{value.__qualname__}"
     if isinstance(value, (bool, int, float, str, type(None))):
         return value
-    return f"<{type(value).__module__}.{type(value).__qualname__}>"
+    return re.sub(r" at 0x[0-9a-fA-F]+", "", repr(value))  # torch.bfloat16 stays itself; addresses go
 
 
 def model_structure(module: nn.Module) -> list[str]:

@@ -78,7 +78,9 @@ class Join:
                         self.optimizer.zero_grad()
         finally:
             self.shadowing = False
-            self._hook.remove()
+
+    def close(self) -> None:
+        self._hook.remove()
 
 
 def scaled(loss_fn: Callable, factor: float) -> Callable:

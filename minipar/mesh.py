@@ -54,6 +54,8 @@ class Mesh:
         dp_shard: HSDP: the sharded strategies shard over groups of this many data-parallel ranks
             and replicate across the dp / dp_shard groups; it must divide dp. Default: dp (no HSDP).
         device: where this rank computes; default: cuda:LOCAL_RANK under nccl, else cpu.
+        timeout: seconds (or a timedelta) a collective on this mesh's groups may wait before it fails
+            with a `CollectiveError`; default torch's (`init` passes its own).
 
     Raises ValueError, on every rank and before any collective, when the sizes
     do not fit the world.
@@ -61,7 +63,7 @@ class Mesh:
 
     def __init__(self, dp: int | None = None, tp: int = 1, pp: int = 1, ep: int = 1,
                  device: torch.device | str | None = None, dp_shard: int | None = None,
-                 timeout: timedelta | None = None) -> None:
+                 timeout: float | timedelta | None = None) -> None:
         if not dist.is_initialized():
             raise ValueError("torch.distributed is not initialised: call minipar.init(...) "
                              "(it initialises from the torchrun environment), or "
@@ -77,7 +79,7 @@ class Mesh:
         self.edp_rank, self.ep_rank = divmod(dp_rank, ep)
         self.replicate_rank, self.shard_rank = divmod(dp_rank, dp_shard)
         self.device = torch.device(device) if device is not None else _default_device()
-        self.timeout = timeout  # of the groups this mesh creates (`init` gives the world's)
+        self.timeout = as_timeout(timeout) if timeout is not None else None  # of this mesh's groups
         self.comm = Comm()
 
         self._groups: dict[str, AxisGroup] = {}
@@ -157,10 +159,7 @@ def init(dp: int | None = None, tp: int = 1, pp: int = 1, ep: int = 1, backend: 
     every local rank has its own GPU, else gloo; ``backend`` or the environment
     variable MINIPAR_BACKEND overrides.
     """
-    if not isinstance(timeout, timedelta):
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
-            raise ValueError(f"timeout={timeout!r} must be a finite number of seconds > 0 (or a timedelta)")
-        timeout = timedelta(seconds=timeout)
+    timeout = as_timeout(timeout)
     if not dist.is_initialized():
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
@@ -183,6 +182,15 @@ def init(dp: int | None = None, tp: int = 1, pp: int = 1, ep: int = 1, backend: 
                 port = s.getsockname()[1]
             dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     return Mesh(dp=dp, tp=tp, pp=pp, ep=ep, dp_shard=dp_shard, timeout=timeout)
+
+
+def as_timeout(timeout: float | timedelta) -> timedelta:
+    """A collective timeout from seconds or a timedelta; ValueError unless finite and positive."""
+    if isinstance(timeout, timedelta):
+        return timeout
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
+        raise ValueError(f"timeout={timeout!r} must be a finite number of seconds > 0 (or a timedelta)")
+    return timedelta(seconds=timeout)
 
 
 def _restart_store() -> dist.Store:

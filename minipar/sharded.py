@@ -260,6 +260,7 @@ class ShardedModule(nn.Module):
             yield
             self._join.shadow()
         finally:
+            self._join.close()  # also when the block raised: the optimizer keeps no hook of ours
             self._join = None
 
     def build_optimizer(self, optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any):

@@ -66,6 +66,21 @@ def test_a_different_model_on_a_tensor_parallel_rank_names_the_ranks_and_the_fir
         assert "['model'][0]: 'wte.weight (16, 8) torch.float32' vs 'wte.weight (16, 16) torch.float32'" in message
 
 
+def _different_precision(ctx):
+    mesh = Mesh()
+    policy = MixedPrecision(torch.bfloat16 if ctx.rank == 0 else torch.float16)
+    with pytest.raises(ValueError) as info:
+        ShardedModule(GPT(GPTConfig(**CFG)), mesh=mesh, strategy="zero2", mixed_precision=policy)
+    mesh.destroy()
+    return str(info.value)
+
+
+def test_an_option_that_differs_only_in_a_dtype_is_found(pools):
+    """Options are described by value (a dtype as torch.bfloat16), not by type alone."""
+    for message in pools.run(2, _different_precision, timeout=60):
+        assert "['param_dtype']: 'torch.bfloat16' vs 'torch.float16'" in message, message
+
+
 def _callable_policy(ctx):
     mesh = Mesh()
     model = ShardedModule(GPT(GPTConfig(**CFG)), mesh=mesh, strategy="zero3",
