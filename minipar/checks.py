@@ -141,3 +141,53 @@ def check_batch(mesh: Mesh, inputs: Any, targets: Any, vocab_size: int | None, b
 
 def _shape(dims: list[int]) -> str:
     return "none" if dims[0] == -2 else str(tuple(d for d in dims if d >= 0))
+
+
+class SameUnits:
+    """ZeRO-3's guard against rank-dependent execution (a unit that only some ranks run).
+
+    Every gather of a unit's parameters, and every reduce-scatter of its gradients, is a collective.
+    A rank that skips a unit, or runs units in another order, would pair them with another unit's
+    on the other ranks: a size mismatch deep in gloo, a hang, or, when the shapes agree, a silently
+    mixed model. So before each one the ranks of its group exchange what they are about to do (an
+    index into ``marks``, 8 bytes each, on a CPU group: no device sync) and compare; every forward
+    and every backward ends with a marker, so a rank with collectives left over meets the others'
+    end instead of waiting for them. A difference raises ValueError on every rank of the group (they
+    all see the same exchange). The collectives checked go to groups of their own (twins of the
+    shard axes), so nothing else can come between them.
+    """
+
+    END_OF_FORWARD, END_OF_BACKWARD = -1, -2
+
+    def __init__(self, mesh: Mesh, marks: list[str], groups: dict[str, Any]) -> None:
+        self.mesh, self.marks = mesh, marks  # what each index means: "gathers unit 'layers.1'", ...
+        self.groups = groups  # axis name -> the AxisGroup the exchange runs on
+
+    def agree(self, mark: int, axes: list[str] | None = None) -> None:
+        """Exchange ``mark`` (an index into ``marks``, or an end marker) over ``axes`` (default: all)."""
+        for axis in dict.fromkeys(axes if axes is not None else self.groups):
+            group = self.groups[axis]
+            if group.size == 1:
+                continue
+            marks = torch.empty(group.size, dtype=torch.int64)
+            self.mesh.comm.all_gather(marks, torch.tensor([mark]), group, tag="unit_check")
+            marks = marks.tolist()
+            if len(set(marks)) > 1:
+                raise ValueError(self._message(group, marks))
+
+    def _what(self, mark: int) -> str:
+        if mark == self.END_OF_FORWARD:
+            return "ends its forward"
+        if mark == self.END_OF_BACKWARD:
+            return "ends its backward"
+        return self.marks[mark]
+
+    def _message(self, group, marks: list[int]) -> str:
+        lines = [f"zero3: the ranks of a {group.name!r} group ran different units, so their gathers and "
+                 "reduce-scatters no longer pair up. At this point:"]
+        lines += [f"  rank {r} ({self.mesh.where(r)}) {self._what(m)}" for r, m in zip(group.ranks, marks)]
+        lines.append("Every rank must run the same zero3 units in the same order in each forward and backward. "
+                     "Run a skipped block on every rank (its output times zero keeps the result), give the "
+                     "block's parameters to a larger unit (wrap_policy), or use ddp, zero1 or zero2, which "
+                     "reduce an unused parameter's gradient as zero.")
+        return "\n".join(lines)

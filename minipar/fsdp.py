@@ -19,11 +19,10 @@ A unit is in one of three states, and these short methods move it:
   lands and frees its staging buffer, `LaunchOrder`); the end-of-backward
   callback launches what is left and waits.
 
-"Full" parameters live in one flat buffer per unit whose storage is resized
-to zero when resharded: the parameters stay views of it, so autograd's saved
-tensors see the gathered values again after the next unshard. Per step, with
-``reshard_after_forward``, each non-root unit is all-gathered twice and every
-gradient reduce-scattered once: 1.5x the bytes of DDP's all-reduce.
+"Full" parameters live in one flat buffer per unit, its storage resized to zero
+when resharded: the parameters stay views of it, so autograd's saved tensors see
+the gathered values again after the next unshard. Per step (reshard after
+forward) a unit is gathered twice, its gradient reduce-scattered once: 1.5x DDP.
 
 Under a pipeline (``local_accumulation``, set by `ShardedModule` when pp > 1)
 every micro-batch's backward runs under ``no_sync``: gradients accumulate in
@@ -35,7 +34,10 @@ for its backward (2m all-gathers per step, less memory held between them).
 
 A parameter shared between units (tied weights) is placed in the root unit,
 which stays gathered through forward and backward, so every user sees it.
-Like ZeRO-1/2, a parameter without a gradient gets a zero gradient.
+Like ZeRO-1/2, a parameter without a gradient gets a zero gradient. Every rank
+must run the same units: gathers and reduce-scatters go to twin groups of the
+shard axes, each checked first (`minipar.checks.SameUnits`, a ValueError on
+every rank otherwise).
 """
 
 from __future__ import annotations
@@ -45,17 +47,17 @@ from enum import Enum
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
+from .checks import SameUnits
 from .flat import FlatLayout, ShardGroup
 from .grad_buckets import EndOfBackward, GradStaging, LaunchOrder
 from .mesh import Mesh
 from .precision import MixedPrecision
 from .sharded_optim import GradState, ShardedState, make_master
-
-_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
-
+from .units import assign_params, select_units
 
 class UnitState(Enum):
     SHARDED = "sharded"
@@ -103,7 +105,7 @@ class Zero3(ShardedState):
     stage = 3
 
     def __init__(self, module: nn.Module, mesh: Mesh, policy: MixedPrecision, offload: bool,
-                 wrap_policy: Any = None, reshard_after_forward: bool = True) -> None:
+                 wrap_policy: Any = None, reshard_after_forward: bool = True, unit_check: bool = True) -> None:
         super().__init__(mesh, policy, offload)
         unit_modules = select_units(module, wrap_policy)
         self.reshard_after_forward = reshard_after_forward
@@ -118,7 +120,20 @@ class Zero3(ShardedState):
         self.groups = [part.group for u in self.units for part in u.parts]
         # Reduce-scatters launch in this fixed order on every rank (backward runs units in reverse).
         self._rs_order = [u for u in reversed(self.units) if not u.is_root] + [u for u in self.units if u.is_root]
-        self.order = LaunchOrder([part.grads for u in self._rs_order for part in u.parts], self.comm)
+        stagings = [(u, part) for u in self._rs_order for part in u.parts]
+        self.order = LaunchOrder([part.grads for _, part in stagings], self.comm, before_launch=self._check_reduce)
+        # ZeRO-3's gathers and reduce-scatters go to twins of the shard axes, each checked first
+        # (`SameUnits`: rank-dependent execution is an error on every rank, never a hang or a mixed
+        # model). Every rank creates every twin (creating groups is collective).
+        axes = ("dp_shard" if mesh.hsdp else "dp", "edp")
+        self._twin = {a: mesh.twin(a) for a in axes}
+        for _, part in stagings:
+            part.grads.axis = self._twin[part.group.axis.name]
+        self._staging_axes = [part.group.axis.name for _, part in stagings]
+        cpu = None if dist.get_backend() == "gloo" else "gloo"
+        marks = [f"gathers unit {u.name!r}" for u in self.units]
+        marks += [f"reduce-scatters the gradients of unit {u.name!r}" for u, _ in stagings]
+        self.same_units = SameUnits(mesh, marks, {a: mesh.twin(a, cpu) for a in axes}) if unit_check else None
         self._fwd_order: list[Unit] = []
         self._last_fwd_order: list[Unit] = []
         self.end_of_backward = EndOfBackward(self._finish_backward)
@@ -156,10 +171,12 @@ class Zero3(ShardedState):
             u.state = UnitState.FULL
         if u.state is not UnitState.SHARDED:
             return
+        if self.same_units is not None:
+            self.same_units.agree(self.units.index(u), [part.group.axis.name for part in u.parts])
         for part in u.parts:
             part.full.untyped_storage().resize_(part.full.numel() * part.full.element_size())
-            u.works.append(self.comm.all_gather(part.full, part.group.shard, part.group.axis, async_op=True,
-                                                tag="param"))
+            u.works.append(self.comm.all_gather(part.full, part.group.shard, self._twin[part.group.axis.name],
+                                                async_op=True, tag="param"))
         if async_op:
             u.state = UnitState.GATHERING
         else:
@@ -188,6 +205,8 @@ class Zero3(ShardedState):
             self.unshard(self._last_fwd_order[0], async_op=True)
 
     def _root_post_forward(self, module, args, output) -> None:
+        if self.same_units is not None:
+            self.same_units.agree(SameUnits.END_OF_FORWARD)
         if self._root is not None:
             self._hook_outputs(self._root, output)
 
@@ -240,6 +259,10 @@ class Zero3(ShardedState):
                 self._post_backward(u)
         return hook
 
+    def _check_reduce(self, i: int) -> None:
+        if self.same_units is not None:
+            self.same_units.agree(len(self.units) + i, [self._staging_axes[i]])
+
     def _post_backward(self, u: Unit) -> None:
         if not u.is_root and self._reshards_now():
             self.reshard(u)
@@ -252,6 +275,8 @@ class Zero3(ShardedState):
 
     @torch.no_grad()
     def _finish_backward(self) -> None:
+        if self.same_units is not None:
+            self.same_units.agree(SameUnits.END_OF_BACKWARD)
         if self._sync:
             self.order.finish()
         for u in self._rs_order:
@@ -300,81 +325,3 @@ def _following(order: list[Unit], u: Unit) -> Unit | None:
         if x is u:
             return order[i + 1]
     return None
-
-
-def select_units(module: nn.Module, wrap_policy: Any, option: str = "wrap_policy") -> list[tuple[str, nn.Module]]:
-    """The (name, submodule) pairs that become units, in registration order.
-
-    wrap_policy: None -> every entry of every nn.ModuleList (the blocks of a
-    transformer); a tuple of module classes -> the outermost modules of those
-    classes; an int -> bottom-up, a module whose parameters not yet in a unit
-    number at least that many (units may nest); a callable(module) -> bool ->
-    the outermost modules it accepts. ``option`` names the argument in error messages
-    (activation checkpointing chooses its modules the same way).
-    """
-    named = [(n, m) for n, m in module.named_modules() if n and not isinstance(m, _CONTAINERS)]
-    if wrap_policy is None:
-        lists = [m for m in module.modules() if isinstance(m, nn.ModuleList)]
-        members = {id(c) for lst in lists for c in lst}
-        return [(n, m) for n, m in named if id(m) in members]
-    if isinstance(wrap_policy, int) and not isinstance(wrap_policy, bool):
-        if wrap_policy < 1:
-            raise ValueError(f"a size {option} must be >= 1 parameters, got {wrap_policy}")
-        chosen: list[tuple[str, nn.Module]] = []
-        taken: set[int] = set()
-        for n, m in reversed(named):  # children before parents
-            free = [p for p in m.parameters() if id(p) not in taken]
-            if sum(p.numel() for p in free) >= wrap_policy:
-                chosen.append((n, m))
-                taken.update(id(p) for p in free)
-        if not chosen:
-            raise ValueError(f"{option}={wrap_policy} matches no module (the largest has "
-                             f"{max((sum(p.numel() for p in m.parameters()) for _, m in named), default=0)} "
-                             "parameters); lower the threshold, or pass module classes or a callable")
-        return [(n, m) for n, m in named if any(m is c for _, c in chosen)]
-    if isinstance(wrap_policy, (tuple, list, set)) and all(isinstance(c, type) for c in wrap_policy):
-        accept = lambda m: isinstance(m, tuple(wrap_policy))  # noqa: E731
-        what = f"module classes {[c.__name__ for c in wrap_policy]}"
-    elif callable(wrap_policy):
-        accept, what = wrap_policy, f"callable {wrap_policy!r}"
-    else:
-        raise ValueError(f"{option}={wrap_policy!r} is not understood; pass None (each nn.ModuleList entry), "
-                         "a tuple of module classes, a parameter count (int) or a callable(module) -> bool")
-    out: list[tuple[str, nn.Module]] = []
-    for n, m in named:
-        if accept(m) and not any(n.startswith(o + ".") for o, _ in out):
-            out.append((n, m))
-    if not out:
-        classes = sorted({type(m).__name__ for _, m in named})
-        raise ValueError(f"{option} ({what}) matches no submodule; the model has {classes}. "
-                         "Pass classes or a callable that match, a parameter count, or None")
-    return out
-
-
-def assign_params(module: nn.Module, units: list[tuple[str, nn.Module]]) -> list[list[nn.Parameter]]:
-    """Trainable parameters per unit (then the root's, last), each in registration order.
-
-    A parameter goes to the innermost unit whose subtree registers it; one
-    registered under two different units, or under a unit and outside every
-    unit (tied weights), goes to the root.
-    """
-    unit_of_module: dict[int, int] = {}
-    for i, (_, m) in enumerate(units):  # pre-order: an inner unit comes after its outer one and overrides it
-        for sub in m.modules():
-            unit_of_module[id(sub)] = i
-    root = len(units)
-    owners: dict[int, set[int]] = {}
-    order: list[nn.Parameter] = []
-    for m in module.modules():
-        for p in m._parameters.values():
-            if p is None or not p.requires_grad:
-                continue
-            if id(p) not in owners:
-                owners[id(p)] = set()
-                order.append(p)
-            owners[id(p)].add(unit_of_module.get(id(m), root))
-    out: list[list[nn.Parameter]] = [[] for _ in range(root + 1)]
-    for p in order:
-        o = owners[id(p)]
-        out[o.pop() if len(o) == 1 else root].append(p)
-    return out

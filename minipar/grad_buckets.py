@@ -133,6 +133,7 @@ class GradStaging(ShardBucket):
 
     def __init__(self, group: ShardGroup, dtype: torch.dtype) -> None:
         self.group, self.dtype = group, dtype
+        self.axis = group.axis  # where it is reduced (ZeRO-3: a twin of the shard axis)
         self.pool: StagingPool | None = None
         self.ready = [False] * len(group.layout.params)
         self._base: torch.Tensor | None = None  # the buffer taken, of which _flat is the first padded elements
@@ -164,7 +165,7 @@ class GradStaging(ShardBucket):
         flat[self.group.layout.numel:].zero_()  # and so does the padding
         self._out = torch.empty(self.group.layout.shard_size, dtype=flat.dtype, device=flat.device)
         # the staging buffer is ours and dropped at land: it may be reduced in place
-        self._work = comm.reduce_scatter(self._out, flat, self.group.axis, async_op=True, tag="grad",
+        self._work = comm.reduce_scatter(self._out, flat, self.axis, async_op=True, tag="grad",
                                          input_is_scratch=True)
 
     def land(self) -> None:
@@ -192,9 +193,11 @@ class LaunchOrder:
     window plus the groups still filling, never the whole gradient.
     """
 
-    def __init__(self, stagings: list, comm: Comm, window: int | None = 2) -> None:
+    def __init__(self, stagings: list, comm: Comm, window: int | None = 2,
+                 before_launch: Callable[[int], None] | None = None) -> None:
         self.stagings, self.comm = stagings, comm
         self.window = window
+        self.before_launch = before_launch  # called with a staging's index just before its launch
         self.pool = StagingPool(keep=(window or 0) + 1)
         for staging in stagings:
             staging.pool = self.pool
@@ -212,6 +215,8 @@ class LaunchOrder:
     def launch_next(self) -> None:
         """Launch the next staging in the order, complete or not (missing gradients count as zero)."""
         staging = self.stagings[self._next]
+        if self.before_launch is not None:
+            self.before_launch(self._next)
         staging.launch(self.comm)
         self._in_flight.append(staging)
         self._next += 1

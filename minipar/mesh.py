@@ -84,6 +84,7 @@ class Mesh:
 
         self._groups: dict[str, AxisGroup] = {}
         self._owned_pgs: list = []
+        self._twins: dict[tuple, object] = {}  # process groups by (rank lists, backend)
         self.world = AxisGroup("world", tuple(range(world_size)), rank, dist.group.WORLD if world_size > 1 else None)
         # The first collective: every rank must have asked for the same layout.
         self.comm.check_same("Mesh(dp, tp, pp, ep, dp_shard)", (dp, tp, pp, ep, dp_shard), self.world)
@@ -104,14 +105,35 @@ class Mesh:
             return AxisGroup(axis, tuple(mine), mine.index(self.rank), dist.group.WORLD)
         if key in built:
             return AxisGroup(axis, tuple(mine), mine.index(self.rank), built[key].pg)
+        built[key] = AxisGroup(axis, tuple(mine), mine.index(self.rank), self._new_groups(lists))
+        return built[key]
+
+    def _new_groups(self, lists: list[list[int]], backend: str | None = None):
+        """Create one process group per rank list (every rank creates every group, in the same
+        order, as torch requires) and return this rank's."""
         pg_mine = None
-        for ranks in lists:  # every rank creates every group, in the same order
-            pg = dist.new_group(ranks, timeout=self.timeout)  # None: torch's default
+        for ranks in lists:
+            pg = dist.new_group(ranks, timeout=self.timeout, backend=backend)  # timeout None: torch's default
             if self.rank in ranks:
                 pg_mine = pg
                 self._owned_pgs.append(pg)
-        built[key] = AxisGroup(axis, tuple(mine), mine.index(self.rank), pg_mine)
-        return built[key]
+        return pg_mine
+
+    def twin(self, axis: str, backend: str | None = None) -> AxisGroup:
+        """A second process group over the same ranks as ``axis`` (on ``backend``, default the world's).
+
+        ZeRO-3 gathers parameters on a twin so that the order of its gathers, checked unit by unit,
+        is independent of the gradient reductions on the axis itself. Creating one is collective over
+        the world: every rank asks for the same twins in the same order. Built once per mesh.
+        """
+        base = self.group(axis)
+        if base.size == 1:
+            return base
+        lists = axis_rank_lists(axis, dp=self.dp, tp=self.tp, pp=self.pp, ep=self.ep, dp_shard=self.dp_shard)
+        key = (tuple(map(tuple, lists)), backend)  # axes with the same groups (edp = dp when ep = 1) share twins
+        if key not in self._twins:
+            self._twins[key] = self._new_groups(lists, backend)
+        return AxisGroup(axis, base.ranks, base.rank, self._twins[key])
 
     @property
     def hsdp(self) -> bool:
@@ -138,6 +160,7 @@ class Mesh:
         for pg in self._owned_pgs:
             dist.destroy_process_group(pg)
         self._owned_pgs.clear()
+        self._twins.clear()
 
     def __repr__(self) -> str:
         hsdp = f", dp_shard={self.dp_shard}" if self.hsdp else ""

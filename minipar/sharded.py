@@ -27,7 +27,8 @@ from torch.utils._pytree import tree_map
 from . import kernels
 from .ddp import DataParallel
 from .checks import agree_on_model, broadcast_initial_state, check_batch
-from .fsdp import Zero3, select_units
+from .fsdp import Zero3
+from .units import select_units
 from .full_state import full_tensors
 from .grad_norm import clip_
 from .join import Join, scaled
@@ -46,6 +47,7 @@ _FLAT_OPTIONS = {
     "bucket_cap_mb": ("strategy", "bucket_cap_mb"), "mixed_precision": ("strategy", "mixed_precision"),
     "cpu_offload": ("strategy", "cpu_offload"), "wrap_policy": ("strategy", "wrap_policy"),
     "reshard_after_forward": ("strategy", "reshard_after_forward"),
+    "unit_check": ("strategy", "unit_check"),
     "tp_plan": ("tensor_parallel", "plan"), "sequence_parallel": ("tensor_parallel", "sequence_parallel"),
     "dropout_seed": ("tensor_parallel", "dropout_seed"),
     "schedule": ("pipeline", "schedule"), "microbatches": ("pipeline", "microbatches"),
@@ -81,7 +83,8 @@ def build_strategy(config: DataParallelConfig, module: nn.Module, mesh: Mesh, re
     if not config.sharded:
         return DataParallel(module, mesh, bucket_cap_mb=config.bucket_cap_mb)
     if config.zero3:
-        return Zero3(module, mesh, policy, config.cpu_offload, config.wrap_policy, reshard_after_forward)
+        return Zero3(module, mesh, policy, config.cpu_offload, config.wrap_policy, reshard_after_forward,
+                     config.unit_check)
     stage = {"zero1": Zero1, "zero2": Zero2}[config.strategy]
     return stage(module, mesh, policy, config.cpu_offload, config.bucket_cap_mb)
 
@@ -101,7 +104,8 @@ class ShardedModule(nn.Module):
             activations: True (each nn.ModuleList entry: the transformer blocks), a tuple of module
             classes, or a callable(module) -> bool; dropout masks are replayed (`minipar.recompute`).
         **options: the configs' fields as flat keywords, as before the configs existed:
-            bucket_cap_mb, mixed_precision, cpu_offload, wrap_policy, reshard_after_forward (strategy);
+            bucket_cap_mb, mixed_precision, cpu_offload, wrap_policy, reshard_after_forward, unit_check
+            (strategy);
             tp_plan, sequence_parallel, dropout_seed (tensor_parallel); schedule, microbatches,
             pipeline_boundaries, record_timeline (pipeline).
 

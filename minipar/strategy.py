@@ -46,8 +46,11 @@ class DataParallelConfig:
     strategy: one of `STRATEGIES`; bucket_cap_mb: gradient bucket size of DDP, ZeRO-1 and ZeRO-2
     (MiB, > 0); mixed_precision, cpu_offload: the ZeRO stages' (DDP computes in the parameters' own
     dtype: ZeRO-1 is DDP with fp32 masters); wrap_policy: how zero3 cuts units
-    (`minipar.fsdp.select_units`); reshard_after_forward: zero3 frees a unit after its forward
-    (default: yes without a pipeline, no under one). ValueError names what to change."""
+    (`minipar.units.select_units`); reshard_after_forward: zero3 frees a unit after its forward
+    (default: yes without a pipeline, no under one); unit_check: zero3 checks, before each unit's
+    gathers, that every rank gathers the same unit (`minipar.checks.SameUnits`: a clear error
+    instead of a hang when execution differs between ranks; False saves one 8-byte exchange per
+    gather). ValueError names what to change."""
 
     strategy: str = "ddp"
     bucket_cap_mb: float = 25.0
@@ -55,6 +58,7 @@ class DataParallelConfig:
     cpu_offload: bool = False
     wrap_policy: Any = None
     reshard_after_forward: bool | None = None
+    unit_check: bool = True
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -65,6 +69,8 @@ class DataParallelConfig:
                              "PyTorch DDP uses 25)")
         if self.reshard_after_forward not in (None, True, False):
             raise ValueError(f"reshard_after_forward={self.reshard_after_forward!r} must be True, False or None")
+        if self.unit_check not in (True, False):
+            raise ValueError(f"unit_check={self.unit_check!r} must be True or False")
         if self.strategy == "ddp" and (self.mixed_precision is not None or self.cpu_offload
                                        or self.wrap_policy is not None):
             raise ValueError("mixed_precision, cpu_offload and wrap_policy apply to the sharded strategies (DDP "

@@ -1,7 +1,7 @@
 """Uneven data (issue 19, point 5): under ``model.join(opt)`` a rank that runs out of batches
 shadows the others' steps, and training equals one process on the batches that exist (each
 step the mean over the ranks still training); without join the waiting ranks get a named
-timeout, not a silent hang; a ZeRO-3 unit that only some ranks use works."""
+timeout, not a silent hang; a ZeRO-3 unit that only some ranks run is a ValueError on every rank."""
 
 from __future__ import annotations
 
@@ -87,3 +87,64 @@ def _out_of_data_at_once(ctx):
 def test_a_rank_without_any_batch_inside_join_is_an_error_everywhere(pools):
     for message in pools.run(2, _out_of_data_at_once, timeout=60):
         assert "ranks [1] ran out of data inside join() before their first step" in message
+
+
+# -- rank-dependent execution under ZeRO-3 ---------------------------------------------------------
+
+class _Skipping(torch.nn.Module):
+    """Five units (then the root's head); the layer ``skip`` is left out of this rank's forward,
+    or, with ``detach``, run but cut from the loss, so only its backward is missing."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(6 + i, 7 + i) for i in range(5))
+        self.head = torch.nn.Linear(11, 1)
+        self.skip, self.detach = None, False
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            if i == self.skip and self.detach:
+                layer(x)  # runs, but nothing depends on its output
+            if i == self.skip:
+                x = torch.nn.functional.pad(x, (0, 1))  # the layer's width, without the layer
+            else:
+                x = layer(x)
+        return self.head(x)
+
+
+def _skip_a_unit(ctx, reshard_after_forward: bool, detach: bool, skipping_step: int):
+    mesh = Mesh()
+    model = ShardedModule(_Skipping(), mesh=mesh, strategy="zero3", reshard_after_forward=reshard_after_forward)
+    opt = model.build_optimizer(torch.optim.AdamW, lr=LR)
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(mesh.rank))
+    try:
+        for step in range(3):  # later steps prefetch in the order the first one recorded
+            model.module.skip = 2 if mesh.rank == 1 and step == skipping_step else None
+            model.module.detach = detach
+            model.train_step(x, None, lambda out, _: out.square().mean())
+            opt.step()
+            opt.zero_grad()
+        out = "trained"
+    except ValueError as e:
+        out = str(e)
+    mesh.destroy()
+    return out
+
+
+@pytest.mark.parametrize("reshard_after_forward", [True, False])
+@pytest.mark.parametrize("detach", [False, True], ids=["skipped", "output-unused"])
+@pytest.mark.parametrize("skipping_step", [0, 1])
+def test_a_zero3_unit_run_on_some_ranks_only_is_an_error_everywhere(pools, reshard_after_forward, detach,
+                                                                    skipping_step):
+    """Rank 1 leaves unit layers.2 out of one step's forward (or out of its backward only): without
+    the unit check the gathers pair with another unit's (a gloo size abort, or a mixed model), and
+    a reduce-scatter the other rank launches only at the end of its backward leaves the first rank
+    waiting; with it every rank raises the same ValueError at the first gather or reduce-scatter
+    that differs, naming what each rank was about to do."""
+    results = pools.run(2, _skip_a_unit, reshard_after_forward, detach, skipping_step, timeout=90)
+    assert results[0] == results[1], "every rank raises the same error"
+    message = results[0]
+    assert "ran different units" in message, message
+    assert "rank 0 (pp 0, dp 0, tp 0)" in message and "rank 1 (pp 0, dp 1, tp 0)" in message, message
+    assert "unit 'layers." in message, message

@@ -388,7 +388,7 @@ def _frees(ctx, reshard_after_forward):
         loss = gpt_loss(sharded(x[:, :-1]), x[:, 1:])
     after_forward = dict(sharded.strategy.unit_states())
     loss.backward()
-    return seen, after_forward, dict(sharded.strategy.unit_states()), stats.calls(op="all_gather")
+    return seen, after_forward, dict(sharded.strategy.unit_states()), stats.calls(op="all_gather", tag="param")
 
 
 @pytest.mark.parametrize("reshard_after_forward", [True, False])
