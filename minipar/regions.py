@@ -13,7 +13,13 @@ gather_from_region             all-gather along dim        keep own chunk along 
 gather_sequence                all-gather along dim        reduce-scatter along dim
 reduce_scatter_sequence        reduce-scatter along dim    all-gather along dim
 all_to_all                     all-to-all(splits)          all-to-all(swapped splits)
+seq_to_heads                   all-to-all tokens -> heads  all-to-all heads -> tokens
+heads_to_seq                   all-to-all heads -> tokens  all-to-all tokens -> heads
 =============================  ==========================  ==========================
+
+``seq_to_heads`` / ``heads_to_seq`` are Ulysses context parallelism's pair: (B, H, T/C, D), this rank's
+tokens of every head, <-> (B, H/C, T, D), every token of this rank's heads. Each is a permutation of
+the group's elements, so its adjoint is its inverse: the other one.
 
 Every collective goes through `Comm`, so it is counted with the rest.
 """
@@ -23,6 +29,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+from einops import rearrange
 
 from .comm import AxisGroup, Comm
 
@@ -200,3 +207,66 @@ def all_to_all(x: torch.Tensor, comm: Comm, group: AxisGroup, output_splits: Seq
     out_s = None if output_splits is None else [int(s) for s in output_splits]
     in_s = None if input_splits is None else [int(s) for s in input_splits]
     return _AllToAll.apply(x, comm, group, out_s, in_s, tag)
+
+
+def _seq_to_heads(x: torch.Tensor, comm: Comm, group: AxisGroup, tag: str | None) -> torch.Tensor:
+    n = group.size
+    if n == 1:
+        return x
+    if x.shape[1] % n:
+        raise ValueError(f"seq_to_heads: {x.shape[1]} heads do not divide by the {group.name} size {n}")
+    # dim 0 is the destination: rank c gets heads block c of our tokens; what arrives from rank c is its tokens
+    send = rearrange(x, "b (c h) t d -> c b h t d", c=n).contiguous()
+    recv = torch.empty_like(send)
+    comm.all_to_all(recv, send, group, tag=tag)
+    return rearrange(recv, "c b h t d -> b h (c t) d")
+
+
+def _heads_to_seq(x: torch.Tensor, comm: Comm, group: AxisGroup, tag: str | None) -> torch.Tensor:
+    n = group.size
+    if n == 1:
+        return x
+    if x.shape[2] % n:
+        raise ValueError(f"heads_to_seq: {x.shape[2]} tokens do not divide by the {group.name} size {n}")
+    # dim 0 is the destination: rank c gets tokens block c of our heads; what arrives from rank c is its heads
+    send = rearrange(x, "b h (c t) d -> c b h t d", c=n).contiguous()
+    recv = torch.empty_like(send)
+    comm.all_to_all(recv, send, group, tag=tag)
+    return rearrange(recv, "c b h t d -> b (c h) t d")
+
+
+class _SeqToHeads(torch.autograd.Function):
+    """y = A(x), tokens-split -> heads-split;  dx = Aᵀ(dy) = A⁻¹(dy), heads-split -> tokens-split."""
+
+    @staticmethod
+    def forward(ctx, x, comm, group, tag):
+        ctx.comm, ctx.group, ctx.tag = comm, group, tag
+        return _seq_to_heads(x, comm, group, tag)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _heads_to_seq(dy, ctx.comm, ctx.group, ctx.tag), None, None, None
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    """y = A⁻¹(x), heads-split -> tokens-split;  dx = A(dy), tokens-split -> heads-split."""
+
+    @staticmethod
+    def forward(ctx, x, comm, group, tag):
+        ctx.comm, ctx.group, ctx.tag = comm, group, tag
+        return _heads_to_seq(x, comm, group, tag)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _seq_to_heads(dy, ctx.comm, ctx.group, ctx.tag), None, None, None
+
+
+def seq_to_heads(x: torch.Tensor, comm: Comm, group: AxisGroup, tag: str | None = None) -> torch.Tensor:
+    """(B, H, T/C, D) this rank's tokens of all heads -> (B, H/C, T, D) all tokens (in rank order) of heads
+    group.rank·H/C ... (group.rank+1)·H/C - 1; one all-to-all forward, its inverse backward."""
+    return _SeqToHeads.apply(x, comm, group, tag)
+
+
+def heads_to_seq(x: torch.Tensor, comm: Comm, group: AxisGroup, tag: str | None = None) -> torch.Tensor:
+    """The inverse of `seq_to_heads`: (B, H/C, T, D) -> (B, H, T/C, D); one all-to-all each way."""
+    return _HeadsToSeq.apply(x, comm, group, tag)
