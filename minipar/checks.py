@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .mesh import Mesh, axis_rank_lists
+from .mesh import Mesh
 
 _SHAPE_DIMS = 4  # batch shapes compared: up to this many dims (ids are (batch, seq))
 
@@ -73,12 +73,14 @@ def broadcast_initial_state(module: nn.Module, mesh: Mesh) -> None:
 
 
 def check_batch(mesh: Mesh, inputs: Any, targets: Any, vocab_size: int | None, block_size: int | None,
-                ignore_index: int = -100, active: int = 1, microbatches: int = 1, seq_shards: int = 1) -> list[int]:
+                ignore_index: int = -100, active: int = 1, microbatches: int = 1, seq_shards: int = 1,
+                seq_shards_why: str = "") -> list[int]:
     """ValueError on every rank if any rank's batch is bad (see the module docstring). One
     all-gather of ``7 + 2 * _SHAPE_DIMS`` integers per rank over the world, which also carries
     each rank's ``active`` flag (`minipar.join`: 1 training, 0 shadowing, -1 out of data before
     its first step); returns every rank's flag. ``microbatches`` must divide the batch and
-    ``seq_shards`` (tp under sequence parallelism) the sequence."""
+    ``seq_shards`` the sequence (``seq_shards_why`` says who cuts it: "tp=2" under sequence
+    parallelism, "2 x cp=2" under ring attention)."""
     # ids out of range, targets out of range, sequence too long, shapes differ, batch or sequence not divisible
     mine = [0, 0, 0, 0, 0, 0]
     ids = inputs if torch.is_tensor(inputs) and not inputs.is_floating_point() else None
@@ -122,12 +124,12 @@ def check_batch(mesh: Mesh, inputs: Any, targets: Any, vocab_size: int | None, b
                                      "inputs and targets of different shapes",
                                      f"a batch of {b} does not split into microbatches={microbatches}; use a batch "
                                      "size divisible by the micro-batch count",
-                                     f"a sequence of {t} does not split into tp={seq_shards} shards for sequence "
-                                     "parallelism; use a sequence length divisible by tp"), row[:6]) if bad]
+                                     f"a sequence of {t} does not split into {seq_shards_why or f'{seq_shards} shards'}; "
+                                     f"use a sequence length divisible by {seq_shards}"), row[:6]) if bad]
         if what:
             problems.append(f"rank {r} ({mesh.where(r)}): {'; '.join(what)}")
-    for axis in ("tp", "pp"):  # these ranks cut one batch: they must be given the same shape
-        groups = axis_rank_lists(axis, dp=mesh.dp, tp=mesh.tp, pp=mesh.pp, ep=mesh.ep, dp_shard=mesh.dp_shard)
+    for axis in ("tp", "cp", "pp"):  # these ranks cut one batch: they must be given the same shape
+        groups = mesh.rank_lists(axis)
         ranks = next((g for g in groups if len({tuple(rows[r][6:]) for r in g}) > 1), None)  # every group's,
         if ranks is not None:  # not only this rank's: all ranks must raise together
             got = {r: rows[r][6:] for r in ranks}

@@ -110,7 +110,7 @@ class DataParallel(BucketHooks, Strategy):
         self.module = module
         self.mesh = mesh
         self.comm: Comm = mesh.comm
-        self.group: AxisGroup = mesh.group("dp")
+        self.group: AxisGroup = mesh.group(mesh.grad_axis)  # dp, or dp x cp: same parameters, other tokens
         self.bucket_cap_bytes = max(1, int(bucket_cap_mb * 2**20))
 
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]

@@ -125,7 +125,7 @@ class Zero3(ShardedState):
         # ZeRO-3's gathers and reduce-scatters go to twins of the shard axes, each checked first
         # (`SameUnits`: rank-dependent execution is an error on every rank, never a hang or a mixed
         # model). Every rank creates every twin (creating groups is collective).
-        axes = ("dp_shard" if mesh.hsdp else "dp", "edp")
+        axes = (mesh.shard_axis, "edp")
         self._twin = {a: mesh.twin(a) for a in axes}
         for _, part in stagings:
             part.grads.axis = self._twin[part.group.axis.name]

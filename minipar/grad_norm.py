@@ -60,7 +60,7 @@ def global_grad_norm(pieces: list[GradPiece], mesh: Mesh, norm_type: float = 2.0
         if piece.param is skip or piece.grad.numel() == 0:
             continue
         where = placement_of(piece.param)
-        axis = "dp_shard" if piece.shard_axis == "dp" else piece.shard_axis
+        axis = "dp_shard" if piece.shard_axis in ("dp", "dp_cp") else piece.shard_axis  # the dense slot
         by_slot.setdefault(_SLOTS.index((axis, where.tensor_parallel, where.expert)), []).append(piece.grad)
     parts = torch.zeros(len(_SLOTS), dtype=torch.float32, device=mesh.device)
     for i, grads in by_slot.items():
@@ -69,6 +69,7 @@ def global_grad_norm(pieces: list[GradPiece], mesh: Mesh, norm_type: float = 2.0
     op = "max" if inf else "sum"
     for axis, split in (("dp_shard", lambda s: s[0] == "dp_shard"), ("edp", lambda s: s[0] == "edp"),
                         ("tp", lambda s: s[1]), ("ep", lambda s: s[2])):
+        axis = mesh.shard_axis if axis == "dp_shard" else axis
         if mesh.size(axis) == 1:
             continue
         idx = torch.tensor([i for i, s in enumerate(_SLOTS) if split(s)], device=parts.device)

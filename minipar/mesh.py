@@ -1,11 +1,15 @@
 """The process mesh: the rank grid and one process group per parallel axis.
 
-Layout. The world is a grid of shape ``(pp, dp, tp)``, tensor-parallel fastest::
+Layout. The world is a grid of shape ``(pp, dp, cp, tp)``, tensor-parallel fastest::
 
-    rank = (pp_rank * dp + dp_rank) * tp + tp_rank
+    rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
 
 so the ranks of one tensor-parallel group are adjacent and, with tp up to the
-GPUs per node, stay inside a node (TP is the chattiest axis). Expert
+GPUs per node, stay inside a node (TP is the chattiest axis); context
+parallelism (cp ranks hold different tokens of the same sequences) comes next.
+The ``dp_cp`` group joins the ranks that hold the same parameters and different
+tokens (every dp and cp rank of one tp rank and stage): gradients are reduced
+over it, and the sharded strategies shard over it. Expert
 parallelism splits the data-parallel axis: ``dp_rank = edp_rank * ep + ep_rank``,
 so an expert-parallel group is ``ep`` neighbouring data-parallel ranks and the
 ``edp`` group joins the ranks that hold the same experts. HSDP splits it the
@@ -40,17 +44,18 @@ import torch.distributed as dist
 
 from .comm import AxisGroup, Comm
 
-AXES = ("dp", "tp", "pp", "ep", "edp", "dp_shard", "dp_replicate")
+AXES = ("dp", "tp", "pp", "ep", "edp", "dp_shard", "dp_replicate", "cp", "dp_cp")
 
 
 class Mesh:
     """Rank grid of an initialised world; one `AxisGroup` per axis.
 
     Args:
-        dp: data-parallel size; None means world_size // (tp * pp).
+        dp: data-parallel size (replicas given different samples); None means world_size // (tp * cp * pp).
         tp: tensor-parallel size.
         pp: pipeline-parallel size.
         ep: expert-parallel size; splits dp, so it must divide dp.
+        cp: context-parallel size: the ranks of a cp group split each sequence (`minipar.context_parallel`).
         dp_shard: HSDP: the sharded strategies shard over groups of this many data-parallel ranks
             and replicate across the dp / dp_shard groups; it must divide dp. Default: dp (no HSDP).
         device: where this rank computes; default: cuda:LOCAL_RANK under nccl, else cpu.
@@ -63,19 +68,19 @@ class Mesh:
 
     def __init__(self, dp: int | None = None, tp: int = 1, pp: int = 1, ep: int = 1,
                  device: torch.device | str | None = None, dp_shard: int | None = None,
-                 timeout: float | timedelta | None = None) -> None:
+                 timeout: float | timedelta | None = None, cp: int = 1) -> None:
         if not dist.is_initialized():
             raise ValueError("torch.distributed is not initialised: call minipar.init(...) "
                              "(it initialises from the torchrun environment), or "
                              "torch.distributed.init_process_group first")
         world_size, rank = dist.get_world_size(), dist.get_rank()
-        dp, tp, pp, ep, dp_shard = _check_sizes(world_size, dp, tp, pp, ep, dp_shard)
-        self.dp, self.tp, self.pp, self.ep, self.dp_shard = dp, tp, pp, ep, dp_shard
+        dp, tp, pp, ep, dp_shard, cp = _check_sizes(world_size, dp, tp, pp, ep, dp_shard, cp)
+        self.dp, self.tp, self.pp, self.ep, self.dp_shard, self.cp = dp, tp, pp, ep, dp_shard, cp
         self.dp_replicate = dp // dp_shard
         self.world_size, self.rank = world_size, rank
-        self.grid = torch.arange(world_size).reshape(pp, dp, tp)
-        (pp_rank, dp_rank, tp_rank), = (self.grid == rank).nonzero().tolist()
-        self.pp_rank, self.dp_rank, self.tp_rank = pp_rank, dp_rank, tp_rank
+        self.grid = torch.arange(world_size).reshape(pp, dp, cp, tp)
+        (pp_rank, dp_rank, cp_rank, tp_rank), = (self.grid == rank).nonzero().tolist()
+        self.pp_rank, self.dp_rank, self.cp_rank, self.tp_rank = pp_rank, dp_rank, cp_rank, tp_rank
         self.edp_rank, self.ep_rank = divmod(dp_rank, ep)
         self.replicate_rank, self.shard_rank = divmod(dp_rank, dp_shard)
         self.device = torch.device(device) if device is not None else _default_device()
@@ -87,7 +92,7 @@ class Mesh:
         self._twins: dict[tuple, object] = {}  # process groups by (rank lists, backend)
         self.world = AxisGroup("world", tuple(range(world_size)), rank, dist.group.WORLD if world_size > 1 else None)
         # The first collective: every rank must have asked for the same layout.
-        self.comm.check_same("Mesh(dp, tp, pp, ep, dp_shard)", (dp, tp, pp, ep, dp_shard), self.world)
+        self.comm.check_same("Mesh(dp, tp, pp, ep, dp_shard, cp)", (dp, tp, pp, ep, dp_shard, cp), self.world)
         built: dict[tuple, AxisGroup] = {}  # two axes with the same groups (dp_shard = dp) share them
         for axis in AXES:
             self._groups[axis] = self._build_axis(axis, built)
@@ -95,7 +100,7 @@ class Mesh:
     # -- groups ----------------------------------------------------------------
 
     def _build_axis(self, axis: str, built: dict) -> AxisGroup:
-        lists = axis_rank_lists(axis, dp=self.dp, tp=self.tp, pp=self.pp, ep=self.ep, dp_shard=self.dp_shard)
+        lists = self.rank_lists(axis)
         mine = next(r for r in lists if self.rank in r)
         size = len(mine)
         key = tuple(map(tuple, lists))
@@ -129,11 +134,27 @@ class Mesh:
         base = self.group(axis)
         if base.size == 1:
             return base
-        lists = axis_rank_lists(axis, dp=self.dp, tp=self.tp, pp=self.pp, ep=self.ep, dp_shard=self.dp_shard)
+        lists = self.rank_lists(axis)
         key = (tuple(map(tuple, lists)), backend)  # axes with the same groups (edp = dp when ep = 1) share twins
         if key not in self._twins:
             self._twins[key] = self._new_groups(lists, backend)
         return AxisGroup(axis, base.ranks, base.rank, self._twins[key])
+
+    def rank_lists(self, axis: str) -> list[list[int]]:
+        """Every group of ``axis`` on this mesh, as lists of global ranks (`axis_rank_lists`)."""
+        return axis_rank_lists(axis, dp=self.dp, tp=self.tp, pp=self.pp, ep=self.ep, dp_shard=self.dp_shard,
+                               cp=self.cp)
+
+    @property
+    def grad_axis(self) -> str:
+        """The axis gradients are averaged over and the sharded strategies shard over: the ranks
+        holding the same parameters and different tokens (dp, or dp x cp under context parallelism)."""
+        return "dp" if self.cp == 1 else "dp_cp"
+
+    @property
+    def shard_axis(self) -> str:
+        """The axis the sharded strategies shard dense parameters over: dp_shard under HSDP, else `grad_axis`."""
+        return "dp_shard" if self.hsdp else self.grad_axis
 
     @property
     def hsdp(self) -> bool:
@@ -148,9 +169,9 @@ class Mesh:
             raise ValueError(f"unknown mesh axis {axis!r}; the axes are {AXES}") from None
 
     def where(self, rank: int) -> str:
-        """Rank ``rank``'s coordinates on the mesh, for messages: "pp 0, dp 1, tp 0"."""
-        (pp_rank, dp_rank, tp_rank), = (self.grid == rank).nonzero().tolist()
-        return f"pp {pp_rank}, dp {dp_rank}, tp {tp_rank}"
+        """Rank ``rank``'s coordinates on the mesh, for messages: "pp 0, dp 1, tp 0" (and cp when cp > 1)."""
+        (pp_rank, dp_rank, cp_rank, tp_rank), = (self.grid == rank).nonzero().tolist()
+        return f"pp {pp_rank}, dp {dp_rank}" + (f", cp {cp_rank}" if self.cp > 1 else "") + f", tp {tp_rank}"
 
     def size(self, axis: str) -> int:
         return self.group(axis).size
@@ -164,13 +185,14 @@ class Mesh:
 
     def __repr__(self) -> str:
         hsdp = f", dp_shard={self.dp_shard}" if self.hsdp else ""
-        return (f"Mesh(dp={self.dp}, tp={self.tp}, pp={self.pp}, ep={self.ep}{hsdp}; rank {self.rank}: "
+        cp = f", cp={self.cp}" if self.cp > 1 else ""
+        return (f"Mesh(dp={self.dp}, tp={self.tp}, pp={self.pp}, ep={self.ep}{hsdp}{cp}; rank {self.rank}: "
                 f"dp_rank={self.dp_rank}, tp_rank={self.tp_rank}, pp_rank={self.pp_rank}, "
                 f"ep_rank={self.ep_rank}, device={self.device})")
 
 
 def init(dp: int | None = None, tp: int = 1, pp: int = 1, ep: int = 1, backend: str | None = None,
-         dp_shard: int | None = None, timeout: float | timedelta = 600.0) -> Mesh:
+         dp_shard: int | None = None, timeout: float | timedelta = 600.0, cp: int = 1) -> Mesh:
     """Initialise torch.distributed if needed and return the `Mesh`.
 
     ``timeout`` (seconds, or a timedelta): how long a collective may wait for the other ranks before
@@ -204,7 +226,7 @@ def init(dp: int | None = None, tp: int = 1, pp: int = 1, ep: int = 1, backend: 
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
             dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    return Mesh(dp=dp, tp=tp, pp=pp, ep=ep, dp_shard=dp_shard, timeout=timeout)
+    return Mesh(dp=dp, tp=tp, pp=pp, ep=ep, dp_shard=dp_shard, timeout=timeout, cp=cp)
 
 
 def as_timeout(timeout: float | timedelta) -> timedelta:
@@ -248,26 +270,30 @@ def shutdown() -> None:
 
 
 def axis_rank_lists(axis: str, *, dp: int, tp: int = 1, pp: int = 1, ep: int = 1,
-                    dp_shard: int | None = None) -> list[list[int]]:
+                    dp_shard: int | None = None, cp: int = 1) -> list[list[int]]:
     """Every group of ``axis`` as a list of global ranks, in one fixed order (pure: no processes needed)."""
-    g = torch.arange(pp * dp * tp).reshape(pp, dp, tp)
+    g = torch.arange(pp * dp * cp * tp).reshape(pp, dp, cp, tp)
     if axis == "tp":
         return g.reshape(-1, tp).tolist()
+    if axis == "cp":
+        return g.permute(0, 1, 3, 2).reshape(-1, cp).tolist()
     if axis == "dp":
-        return g.permute(0, 2, 1).reshape(-1, dp).tolist()
+        return g.permute(0, 2, 3, 1).reshape(-1, dp).tolist()
+    if axis == "dp_cp":
+        return g.permute(0, 3, 1, 2).reshape(-1, dp * cp).tolist()
     if axis == "pp":
-        return g.permute(1, 2, 0).reshape(-1, pp).tolist()
+        return g.permute(1, 2, 3, 0).reshape(-1, pp).tolist()
     if axis in ("dp_shard", "dp_replicate"):
         shard = dp if dp_shard is None else dp_shard
-        g5 = g.reshape(pp, dp // shard, shard, tp)  # dp split into (replicate, shard), shard fastest
+        g5 = g.reshape(pp, dp // shard, shard, cp, tp)  # dp split into (replicate, shard), shard fastest
         if axis == "dp_shard":
-            return g5.permute(0, 1, 3, 2).reshape(-1, shard).tolist()
-        return g5.permute(0, 2, 3, 1).reshape(-1, dp // shard).tolist()
-    g5 = g.reshape(pp, dp // ep, ep, tp)  # dp split into (edp, ep), ep fastest
+            return g5.permute(0, 1, 3, 4, 2).reshape(-1, shard).tolist()
+        return g5.permute(0, 2, 3, 4, 1).reshape(-1, dp // shard).tolist()
+    g5 = g.reshape(pp, dp // ep, ep, cp, tp)  # dp split into (edp, ep), ep fastest
     if axis == "ep":
-        return g5.permute(0, 1, 3, 2).reshape(-1, ep).tolist()
+        return g5.permute(0, 1, 3, 4, 2).reshape(-1, ep).tolist()
     if axis == "edp":
-        return g5.permute(0, 2, 3, 1).reshape(-1, dp // ep).tolist()
+        return g5.permute(0, 2, 3, 4, 1).reshape(-1, dp // ep).tolist()
     raise ValueError(f"unknown mesh axis {axis!r}; the axes are {AXES}")
 
 
@@ -277,20 +303,20 @@ def _default_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _check_sizes(world_size: int, dp, tp, pp, ep, dp_shard=None) -> tuple[int, int, int, int, int]:
-    given = (("tp", tp), ("pp", pp), ("ep", ep)) + ((("dp", dp),) if dp is not None else ()) + \
+def _check_sizes(world_size: int, dp, tp, pp, ep, dp_shard=None, cp=1) -> tuple[int, int, int, int, int, int]:
+    given = (("tp", tp), ("pp", pp), ("ep", ep), ("cp", cp)) + ((("dp", dp),) if dp is not None else ()) + \
         ((("dp_shard", dp_shard),) if dp_shard is not None else ())
     for name, v in given:
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"mesh size {name}={v!r} must be a positive integer")
     if dp is None:
-        if world_size % (tp * pp):
-            raise ValueError(f"tp * pp = {tp} * {pp} = {tp * pp} does not divide the world size {world_size}; "
-                             f"choose tp and pp whose product divides {world_size}")
-        dp = world_size // (tp * pp)
-    if dp * tp * pp != world_size:
-        raise ValueError(f"dp * tp * pp = {dp} * {tp} * {pp} = {dp * tp * pp} but the world size is "
-                         f"{world_size}; pass sizes whose product is {world_size} (or dp=None to infer it)")
+        if world_size % (tp * cp * pp):
+            raise ValueError(f"tp * cp * pp = {tp} * {cp} * {pp} = {tp * cp * pp} does not divide the world size "
+                             f"{world_size}; choose tp, cp and pp whose product divides {world_size}")
+        dp = world_size // (tp * cp * pp)
+    if dp * tp * cp * pp != world_size:
+        raise ValueError(f"dp * tp * cp * pp = {dp} * {tp} * {cp} * {pp} = {dp * tp * cp * pp} but the world size "
+                         f"is {world_size}; pass sizes whose product is {world_size} (or dp=None to infer it)")
     if dp % ep:
         raise ValueError(f"ep={ep} must divide dp={dp}: expert parallelism splits the data-parallel axis")
     if dp_shard is None:
@@ -298,4 +324,7 @@ def _check_sizes(world_size: int, dp, tp, pp, ep, dp_shard=None) -> tuple[int, i
     if dp % dp_shard:
         raise ValueError(f"dp_shard={dp_shard} must divide dp={dp}: HSDP splits the data-parallel ranks into "
                          f"shard groups of dp_shard and replicates across dp / dp_shard of them")
-    return dp, tp, pp, ep, dp_shard
+    if cp > 1 and (ep > 1 or dp_shard != dp):
+        raise ValueError(f"context parallelism (cp={cp}) does not compose with expert parallelism (ep={ep}) or "
+                         f"HSDP (dp_shard={dp_shard} < dp={dp}) yet; use cp=1, or ep=1 and dp_shard=None")
+    return dp, tp, pp, ep, dp_shard, cp

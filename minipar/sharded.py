@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import math
 from typing import Any, Callable, Iterator
 
 import torch
@@ -27,6 +28,7 @@ from torch.utils._pytree import tree_map
 from . import kernels
 from .ddp import DataParallel
 from .checks import agree_on_model, broadcast_initial_state, check_batch
+from .context_parallel import ContextParallel, check_form
 from .fsdp import Zero3
 from .units import select_units
 from .full_state import full_tensors
@@ -100,6 +102,8 @@ class ShardedModule(nn.Module):
             strategy's options (bucket size, mixed precision, CPU offload, zero3 wrap policy and resharding).
         tensor_parallel: a `TensorParallelConfig` (plan, sequence parallelism), used when tp > 1.
         pipeline: a `PipelineConfig` (schedule, micro-batches, boundaries, timeline), used when pp > 1.
+        context_parallel: "ring" or "ulysses" (default ring) when the mesh has cp > 1: the cp ranks
+            split each sequence (`minipar.context_parallel`); forward then takes this rank's tokens.
         activation_checkpointing: recompute chosen blocks in backward instead of keeping their
             activations: True (each nn.ModuleList entry: the transformer blocks), a tuple of module
             classes, or a callable(module) -> bool; dropout masks are replayed (`minipar.recompute`).
@@ -116,9 +120,11 @@ class ShardedModule(nn.Module):
 
     def __init__(self, module: nn.Module, *, mesh: Mesh | None = None, strategy: str | DataParallelConfig = "ddp",
                  tensor_parallel: TensorParallelConfig | None = None, pipeline: PipelineConfig | None = None,
-                 activation_checkpointing: Any = False, **options: Any) -> None:
+                 activation_checkpointing: Any = False, context_parallel: str | None = None,
+                 **options: Any) -> None:
         super().__init__()
         dp_config, tp_config, pp_config = resolve_configs(strategy, tensor_parallel, pipeline, options)
+        check_form(context_parallel)
         sequence_parallel = tp_config.sequence_parallel
         if not any(True for _ in module.parameters()):
             raise ValueError(f"{type(module).__name__} has no parameters: there is nothing to train or "
@@ -160,15 +166,24 @@ class ShardedModule(nn.Module):
             plan = tp_config.plan if tp_config.plan is not None else \
                 module.tp_plan(mesh.tp, sequence_parallel=sequence_parallel)
             check_plan(module, plan, mesh.tp)  # patterns, styles, sizes, ties: before any collective
+        # cp > 1: attention and positions switch to the split sequence (attention dropout, heads per
+        # rank that Ulysses cannot split: ValueError here, before any collective)
+        self.context = ContextParallel(module, mesh, context_parallel) if mesh.cp > 1 else None
         # The first collectives: a model, layout or plan that differs between ranks fails here, on
         # every rank, instead of hanging in the first forward; then every rank starts from rank 0's weights.
         agree_on_model(mesh, module, {"strategy": dp_config, "reshard": reshard_after_forward,
                                       "tensor_parallel": tp_config, "pipeline": pp_config,
-                                      "activation_checkpointing": activation_checkpointing})
+                                      "activation_checkpointing": activation_checkpointing,
+                                      "context_parallel": context_parallel})
         broadcast_initial_state(module, mesh)
         config = getattr(module, "config", None)  # what a batch is checked against (`minipar.checks`)
         self._vocab_size = getattr(config, "vocab_size", None)
-        self._seq_shards = mesh.tp if sequence_parallel else 1  # each tp rank holds a slice of the sequence
+        sp = mesh.tp if sequence_parallel else 1  # each tp rank holds a slice of (its cp rank's) sequence
+        cp = self.context.seq_multiple if self.context is not None else 1
+        self._seq_shards = math.lcm(cp, mesh.cp * sp)
+        self._seq_shards_why = " and ".join(
+            ([f"{cp} chunks for context_parallel={self.context.form!r} at cp={mesh.cp}"] if cp > 1 else [])
+            + ([f"tp={mesh.tp} shards for sequence parallelism"] if sp > 1 else []))
         self._block_size = next((getattr(config, k) for k in ("block_size", "max_position_embeddings", "n_positions")
                                  if isinstance(getattr(config, k, None), int)), None)
         self.mesh = mesh
@@ -225,7 +240,9 @@ class ShardedModule(nn.Module):
     def _train_step(self, inputs: Any, targets: Any, loss_fn: Callable, active: int = 1) -> torch.Tensor | None:
         flags = check_batch(self.mesh, inputs, targets, self._vocab_size, self._block_size, active=active,
                             microbatches=self.pipeline.microbatches if self.pipeline is not None else 1,
-                            seq_shards=self._seq_shards)
+                            seq_shards=self._seq_shards, seq_shards_why=self._seq_shards_why)
+        if self.context is not None:  # each cp rank keeps its tokens; the loss is weighted to stay the mean
+            inputs, targets, loss_fn = self.context.split(inputs, targets, loss_fn)
         if self._join is not None:  # uneven data (`minipar.join`): None once no rank trains any more
             if not any(f == 1 for f in flags):
                 return None
@@ -239,7 +256,7 @@ class ShardedModule(nn.Module):
         scaler = self.strategy.scaler
         (loss * scaler.scale if scaler.enabled else loss).backward()
         global_loss = loss.detach().float().reshape(1).clone()
-        group = self.mesh.group("dp")
+        group = self.mesh.group(self.mesh.grad_axis)  # cp ranks' losses are weighted to average right
         self.mesh.comm.all_reduce(global_loss, group, tag="loss")
         return global_loss.div_(group.size)[0]
 

@@ -76,7 +76,7 @@ class ShardedState(Strategy):
 
     def __init__(self, mesh: Mesh, policy: MixedPrecision, offload: bool) -> None:
         self.mesh, self.comm, self.world = mesh, mesh.comm, mesh.world
-        self.group = mesh.group("dp")
+        self.group = mesh.group(mesh.grad_axis)
         self.policy, self.offload = policy, offload
         self.scaler = LossScaler(policy.init_scale, policy.growth_interval, policy.uses_loss_scaling)
         self.groups: list[ShardGroup] = []
@@ -93,7 +93,7 @@ class ShardedState(Strategy):
         weights (`minipar.checks.broadcast_initial_state`)."""
         dense = [p for p in params if not placement_of(p).expert]
         experts = [p for p in params if placement_of(p).expert]
-        out = [(dense, self.mesh.group("dp_shard" if self.mesh.hsdp else "dp"))] if dense else []
+        out = [(dense, self.mesh.group(self.mesh.shard_axis))] if dense else []
         if experts:
             out.append((experts, self.mesh.group("edp")))
         return out
@@ -102,7 +102,7 @@ class ShardedState(Strategy):
                     grad_shard: torch.Tensor | None, axis: AxisGroup) -> ShardGroup:
         """A `ShardGroup` over ``axis``, averaged over the whole dp, with its HSDP replicas if any."""
         replicas = self.mesh.group("dp_replicate") if axis.name == "dp_shard" else None
-        return ShardGroup(layout, shard, master, grad_shard, axis, self.mesh.dp,
+        return ShardGroup(layout, shard, master, grad_shard, axis, self.mesh.size(self.mesh.grad_axis),
                           replicas if replicas is not None and replicas.size > 1 else None)
 
     # Stages override these two.

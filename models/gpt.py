@@ -81,6 +81,9 @@ class CausalSelfAttention(nn.Module):
         self.v_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.o_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.dropout = cfg.dropout
+        # Context parallelism (`minipar.context_parallel`) sets this: q, k, v (batch, heads, local
+        # tokens, head_dim) -> output, attention over the whole sequence that the cp ranks split.
+        self.context_attention = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (batch, seq, n_embd) -> (batch, seq, n_embd)."""
@@ -90,8 +93,11 @@ class CausalSelfAttention(nn.Module):
         # n_head / tp heads, hence -1.
         b, t = q.shape[:2]
         q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        if self.context_attention is not None:
+            y = self.context_attention(q, k, v)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                               dropout_p=self.dropout if self.training else 0.0)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
 
 

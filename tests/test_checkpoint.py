@@ -35,7 +35,7 @@ FP16 = MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float32, ini
 
 
 def _cfg(**kw) -> dict:
-    return {**dict(vocab_size=16, block_size=6, n_layer=2, n_head=2, n_embd=8, dropout=0.1, seed=3), **kw}
+    return {**dict(vocab_size=16, block_size=8, n_layer=2, n_head=2, n_embd=8, dropout=0.1, seed=3), **kw}
 
 
 def _moe_cfg(**kw) -> dict:
@@ -71,7 +71,7 @@ def _steps(mesh, model, opt, data: torch.Tensor, start: int, stop: int) -> tuple
 
 
 def _data(seed: int, global_batch: int, steps: int = 6) -> torch.Tensor:
-    return torch.randint(0, 16, (steps, global_batch, 7), generator=torch.Generator().manual_seed(seed))
+    return torch.randint(0, 16, (steps, global_batch, 9), generator=torch.Generator().manual_seed(seed))
 
 
 # -- bitwise resume ------------------------------------------------------------------------------------
@@ -182,6 +182,7 @@ LAYOUTS = [
     (1, {}, "ddp"), (2, {}, "zero2"), (4, {}, "zero3"), (4, {"tp": 2}, "ddp"), (4, {"tp": 2}, "zero1"),
     (2, {"pp": 2}, "ddp"), (4, {"pp": 2, "tp": 2}, "ddp"), (4, {"pp": 2, "dp": 2}, "ddp"), (2, {"tp": 2}, "zero3"),
     (4, {"dp_shard": 2}, "zero3"), (4, {"dp_shard": 2}, "zero2"),  # HSDP: replicas of a shard save it once
+    (4, {"cp": 2}, "zero3"), (4, {"cp": 2, "tp": 2}, "zero1"),  # ring attention: cp ranks save nothing twice
 ]
 
 
@@ -189,6 +190,8 @@ LAYOUTS = [
 @example(source=LAYOUTS[6], target=LAYOUTS[1], tie=True, seed=1)   # pp x tp -> zero2
 @example(source=LAYOUTS[1], target=LAYOUTS[0], tie=False, seed=0)  # zero2 -> one process: one master, many params
 @example(source=LAYOUTS[9], target=LAYOUTS[10], tie=True, seed=2)  # HSDP zero3 -> HSDP zero2
+@example(source=LAYOUTS[11], target=LAYOUTS[3], tie=True, seed=3)  # cp x zero3 (over dp x cp) -> tp
+@example(source=LAYOUTS[6], target=LAYOUTS[12], tie=False, seed=4)  # pp x tp -> cp x tp, zero1
 @given(source=st.sampled_from(LAYOUTS), target=st.sampled_from(LAYOUTS), tie=st.booleans(),
        seed=st.integers(0, 2**16))
 @settings(max_examples=8)

@@ -337,34 +337,37 @@ def test_nested_counting_blocks_both_record(pools):
 
 # -- 3. mesh groups ---------------------------------------------------------------------
 
-# (dp, tp, pp, ep, dp_shard)
-LAYOUTS_4 = [(4, 1, 1, 1, 4), (2, 2, 1, 1, 2), (1, 2, 2, 1, 1), (2, 1, 2, 2, 2), (4, 1, 1, 2, 4), (4, 1, 1, 4, 4),
-             (1, 1, 4, 1, 1), (1, 4, 1, 1, 1), (4, 1, 1, 1, 2), (4, 1, 1, 2, 2), (2, 2, 1, 1, 1)]
+# (dp, tp, pp, ep, dp_shard, cp)
+LAYOUTS_4 = [(4, 1, 1, 1, 4, 1), (2, 2, 1, 1, 2, 1), (1, 2, 2, 1, 1, 1), (2, 1, 2, 2, 2, 1), (4, 1, 1, 2, 4, 1),
+             (4, 1, 1, 4, 4, 1), (1, 1, 4, 1, 1, 1), (1, 4, 1, 1, 1, 1), (4, 1, 1, 1, 2, 1), (4, 1, 1, 2, 2, 1),
+             (2, 2, 1, 1, 1, 1), (2, 1, 1, 1, 2, 2), (1, 2, 1, 1, 1, 2), (1, 1, 2, 1, 1, 2), (1, 1, 1, 1, 1, 4)]
 
 
-def _axis_sizes(dp, tp, pp, ep, shard):
-    return {"dp": dp, "tp": tp, "pp": pp, "ep": ep, "edp": dp // ep, "dp_shard": shard, "dp_replicate": dp // shard}
+def _axis_sizes(dp, tp, pp, ep, shard, cp):
+    return {"dp": dp, "tp": tp, "pp": pp, "ep": ep, "edp": dp // ep, "dp_shard": shard, "dp_replicate": dp // shard,
+            "cp": cp, "dp_cp": dp * cp}
 
 
 def _rank_mesh_groups(ctx, layout):
-    dp, tp, pp, ep, shard = layout
+    dp, tp, pp, ep, shard, cp = layout
     me = ctx.rank
-    mesh = Mesh(dp=dp, tp=tp, pp=pp, ep=ep, dp_shard=shard)
+    mesh = Mesh(dp=dp, tp=tp, pp=pp, ep=ep, dp_shard=shard, cp=cp)
     try:
-        assert me == (mesh.pp_rank * dp + mesh.dp_rank) * tp + mesh.tp_rank
+        assert me == ((mesh.pp_rank * dp + mesh.dp_rank) * cp + mesh.cp_rank) * tp + mesh.tp_rank
         assert mesh.dp_rank == mesh.edp_rank * ep + mesh.ep_rank == mesh.replicate_rank * shard + mesh.shard_rank
         coord = {"dp": mesh.dp_rank, "tp": mesh.tp_rank, "pp": mesh.pp_rank, "ep": mesh.ep_rank, "edp": mesh.edp_rank,
-                 "dp_shard": mesh.shard_rank, "dp_replicate": mesh.replicate_rank}
+                 "dp_shard": mesh.shard_rank, "dp_replicate": mesh.replicate_rank, "cp": mesh.cp_rank,
+                 "dp_cp": mesh.dp_rank * cp + mesh.cp_rank}
         seen = {}
         for axis in AXES:
             grp = mesh.group(axis)
-            lists = axis_rank_lists(axis, dp=dp, tp=tp, pp=pp, ep=ep, dp_shard=shard)
+            lists = axis_rank_lists(axis, dp=dp, tp=tp, pp=pp, ep=ep, dp_shard=shard, cp=cp)
             mine = [ranks for ranks in lists if me in ranks]
             assert len(mine) == 1, (axis, lists)
             mine = mine[0]
             assert grp.name == axis
             assert grp.ranks == tuple(mine) and grp.rank == mine.index(me) == coord[axis], (axis, grp, mine)
-            assert grp.size == mesh.size(axis) == _axis_sizes(dp, tp, pp, ep, shard)[axis]
+            assert grp.size == mesh.size(axis) == _axis_sizes(dp, tp, pp, ep, shard, cp)[axis]
             # the raw process group joins exactly these ranks
             t = torch.tensor([me], dtype=torch.int64, device=ctx.device)
             if grp.pg is None:
@@ -388,7 +391,7 @@ def _rank_mesh_groups(ctx, layout):
         mesh.destroy()
 
 
-@pytest.mark.parametrize("layout", LAYOUTS_4, ids=lambda lay: "dp{}-tp{}-pp{}-ep{}-shard{}".format(*lay))
+@pytest.mark.parametrize("layout", LAYOUTS_4, ids=lambda lay: "dp{}-tp{}-pp{}-ep{}-shard{}-cp{}".format(*lay))
 def test_mesh_groups_match_axis_rank_lists(pools, layout):
     seen = pools.run(4, _rank_mesh_groups, layout)
     for axis in AXES:
@@ -400,34 +403,36 @@ def test_mesh_groups_match_axis_rank_lists(pools, layout):
 
 
 def _layouts(world):
-    for dp, tp in itertools.product(range(1, world + 1), repeat=2):
-        if world % (dp * tp) == 0:
-            pp = world // (dp * tp)
+    for dp, tp, cp in itertools.product(range(1, world + 1), repeat=3):
+        if world % (dp * tp * cp) == 0:
+            pp = world // (dp * tp * cp)
             for ep, shard in itertools.product(range(1, dp + 1), repeat=2):
                 if dp % ep == 0 and dp % shard == 0:
-                    yield dp, tp, pp, ep, shard
+                    yield dp, tp, pp, ep, shard, cp
 
 
 @pytest.mark.parametrize("world", [8, 16])
 def test_axis_rank_lists_partition_and_coordinates(world):
     layouts = list(_layouts(world))
     assert len(layouts) > 10
-    for dp, tp, pp, ep, shard in layouts:
-        # Coordinates from the documented layout rank = (pp_rank*dp + dp_rank)*tp + tp_rank,
-        # dp_rank = edp_rank*ep + ep_rank; the independent ones are (pp, edp, ep, tp).
+    for dp, tp, pp, ep, shard, cp in layouts:
+        # Coordinates from the documented layout rank = ((pp_rank*dp + dp_rank)*cp + cp_rank)*tp + tp_rank,
+        # dp_rank = edp_rank*ep + ep_rank; the independent ones are (pp, edp, ep, cp, tp).
         coords = {}
         for rank in range(world):
-            tp_r, dp_r, pp_r = rank % tp, (rank // tp) % dp, rank // (tp * dp)
+            tp_r, cp_r, dp_r, pp_r = rank % tp, (rank // tp) % cp, (rank // (tp * cp)) % dp, rank // (tp * cp * dp)
             coords[rank] = {"tp": tp_r, "pp": pp_r, "dp": dp_r, "ep": dp_r % ep, "edp": dp_r // ep,
-                            "dp_shard": dp_r % shard, "dp_replicate": dp_r // shard}
+                            "dp_shard": dp_r % shard, "dp_replicate": dp_r // shard, "cp": cp_r,
+                            "dp_cp": dp_r * cp + cp_r}
         varies = {"tp": {"tp"}, "pp": {"pp"}, "dp": {"edp", "ep"}, "ep": {"ep"}, "edp": {"edp"},
-                  "dp_shard": {"dp_shard"}, "dp_replicate": {"dp_replicate"}}
-        sizes = _axis_sizes(dp, tp, pp, ep, shard)
+                  "dp_shard": {"dp_shard"}, "dp_replicate": {"dp_replicate"}, "cp": {"cp"}, "dp_cp": {"edp", "ep", "cp"}}
+        sizes = _axis_sizes(dp, tp, pp, ep, shard, cp)
         for axis in AXES:
-            lists = axis_rank_lists(axis, dp=dp, tp=tp, pp=pp, ep=ep, dp_shard=shard)
-            where = f"{axis} of dp={dp} tp={tp} pp={pp} ep={ep} dp_shard={shard}: {lists}"
+            lists = axis_rank_lists(axis, dp=dp, tp=tp, pp=pp, ep=ep, dp_shard=shard, cp=cp)
+            where = f"{axis} of dp={dp} tp={tp} pp={pp} ep={ep} dp_shard={shard} cp={cp}: {lists}"
             # the independent coordinates: dp splits as (edp, ep) or, for HSDP, (replicate, shard)
-            family = {"pp", "tp", "dp_shard", "dp_replicate"} if axis.startswith("dp_") else {"pp", "edp", "ep", "tp"}
+            family = {"pp", "tp", "cp", "dp_shard", "dp_replicate"} if axis in ("dp_shard", "dp_replicate") \
+                else {"pp", "edp", "ep", "cp", "tp"}
             assert sorted(r for ranks in lists for r in ranks) == list(range(world)), where  # a partition
             assert all(len(ranks) == sizes[axis] for ranks in lists), where
             assert len(lists) == world // sizes[axis], where

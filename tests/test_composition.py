@@ -2,9 +2,11 @@
 
 A layout picks one value per option: the data-parallel strategy, tp, sequence parallelism, pp and
 its schedule, mixture of experts (dense, MoE, MoE over ep=2), HSDP (dp_shard = dp / 2), the
-precision and activation checkpointing, on 4 or 8 ranks. `all_layouts` lists every combination that
+precision, activation checkpointing and context parallelism (cp 2 or 4, ring or Ulysses), on 4 or 8
+ranks. `all_layouts` lists every combination that
 can exist (the mesh must fit the world, ep and dp_shard must divide dp, sequence parallelism needs
-tp > 1, a schedule needs pp > 1, HSDP and a mixed-precision policy need a sharded strategy); each is
+tp > 1, a schedule needs pp > 1, HSDP and a mixed-precision policy need a sharded strategy, context
+parallelism does not meet MoE or HSDP yet); each is
 trained three AdamW steps with clipping that fires, and its losses, clipped gradient norms and final
 parameters are compared with the single-process model's on the global batch.
 
@@ -55,15 +57,19 @@ OPTIONS = {
     "hsdp": (False, True),
     "precision": ("fp32", "bf16"),
     "recompute": (False, True),
+    "cp": (1, 2, 4),
+    "cp_form": (None, "ring", "ulysses"),
 }
 
 
 def valid(c: dict) -> bool:
     """Can this layout exist? (Everything else is trained and must equal the reference.)"""
-    if c["world"] % (c["tp"] * c["pp"]):
+    if c["world"] % (c["tp"] * c["pp"] * c["cp"]):
         return False
-    dp = c["world"] // (c["tp"] * c["pp"])
+    dp = c["world"] // (c["tp"] * c["pp"] * c["cp"])
     return ((c["schedule"] is None) == (c["pp"] == 1)     # a schedule exists only with stages
+            and (c["cp_form"] is None) == (c["cp"] == 1)  # a context-parallel form only with cp ranks
+            and (c["cp"] == 1 or (c["moe"] == "dense" and not c["hsdp"]))  # cp x (MoE, HSDP): not yet
             and (not c["sp"] or c["tp"] > 1)              # sequence parallelism splits over tp
             and (c["moe"] != "moe_ep2" or dp % 2 == 0)    # ep = 2 splits dp
             and (not c["hsdp"] or (dp % 2 == 0 and c["strategy"] != "ddp"))  # DDP shards nothing
@@ -100,6 +106,7 @@ def _name(c: dict) -> str:
     parts += ["hsdp"] if c["hsdp"] else []
     parts += ["bf16"] if c["precision"] == "bf16" else []
     parts += ["recompute"] if c["recompute"] else []
+    parts += [f"cp{c['cp']}{c['cp_form']}"] if c["cp"] > 1 else []
     return "-".join(parts)
 
 
@@ -110,6 +117,8 @@ MATRIX = ALL if os.environ.get("HYPOTHESIS_PROFILE") == "long" else SAMPLE
 
 def _model_cfg(c: dict, dp: int, m: int) -> tuple[type, dict]:
     cfg = dict(vocab_size=16, block_size=8, n_layer=2, n_head=2, n_embd=8, tie_weights=True, dropout=0.0, seed=11)
+    if c["cp"] > 1:  # Ulysses gives each cp rank heads / (tp * cp) of the heads
+        cfg.update(n_head=max(2, c["tp"] * c["cp"]), n_embd=16)
     if c["moe"] == "dense":
         return GPT, cfg
     # bf16 may reorder close router logits; with room for every token, no decision depends on it
@@ -118,8 +127,8 @@ def _model_cfg(c: dict, dp: int, m: int) -> tuple[type, dict]:
 
 
 def _sizes(c: dict) -> tuple[dict, int]:
-    dp = c["world"] // (c["tp"] * c["pp"])
-    sizes = dict(dp=dp, tp=c["tp"], pp=c["pp"], ep=2 if c["moe"] == "moe_ep2" else 1)
+    dp = c["world"] // (c["tp"] * c["pp"] * c["cp"])
+    sizes = dict(dp=dp, tp=c["tp"], pp=c["pp"], ep=2 if c["moe"] == "moe_ep2" else 1, cp=c["cp"])
     if c["hsdp"]:
         sizes["dp_shard"] = dp // 2
     return sizes, dp
@@ -131,7 +140,7 @@ def _options(c: dict, m: int) -> dict:
                                   mixed_precision=BF16 if c["precision"] == "bf16" else None)
     pipeline = PipelineConfig(schedule=c["schedule"], microbatches=m) if c["pp"] > 1 else None
     return dict(strategy=strategy, tensor_parallel=TensorParallelConfig(sequence_parallel=c["sp"]),
-                pipeline=pipeline, activation_checkpointing=c["recompute"])
+                pipeline=pipeline, activation_checkpointing=c["recompute"], context_parallel=c["cp_form"])
 
 
 def _train(ctx, c, data, m):

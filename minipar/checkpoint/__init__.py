@@ -154,7 +154,7 @@ def save(path: str | os.PathLike, model, optimizer, extra_state: Any = None) -> 
                           "state": {k: v.reshape(-1)[s.at:s.at + n].clone() for k, v in per_elem.items()},
                           "scalars": scalars, "group": group_of.get(id(s.owner), 0)}
     names, aliases = global_names(model)
-    first_replica = mesh.dp_rank == 0 and mesh.tp_rank == 0
+    first_replica = mesh.dp_rank == 0 and mesh.cp_rank == 0 and mesh.tp_rank == 0
     buffers = {names[id(b)]: b.detach().clone() for b in model.module.buffers() if id(b) in names} \
         if first_replica else {}
     scaler = model.strategy.scaler

@@ -52,7 +52,7 @@ def slots_of(model) -> list[Slot]:
             owner, at, lo, hi, first_replica = shard_of[id(p)]
         else:
             owner, at, lo, hi = p, 0, 0, p.numel()
-            first_replica = (mesh.edp_rank if where.expert else mesh.dp_rank) == 0
+            first_replica = (mesh.edp_rank if where.expert else mesh.dp_rank) == 0 and mesh.cp_rank == 0
         replicated_over_tp = not where.tensor_parallel and mesh.tp_rank != 0
         writes = first_replica and not replicated_over_tp and p is not tied_copy and hi > lo
         out.append(Slot(names[id(p)], p, tuple(full), chunks, lo, hi, owner, at, writes))
@@ -72,7 +72,7 @@ def split_state(state: dict, owner: torch.Tensor) -> tuple[dict, dict]:
 
 def layout_of(model) -> dict:
     m = model.mesh
-    return {"world": m.world_size, "dp": m.dp, "tp": m.tp, "pp": m.pp, "ep": m.ep, "dp_shard": m.dp_shard,
+    return {"world": m.world_size, "dp": m.dp, "tp": m.tp, "pp": m.pp, "ep": m.ep, "dp_shard": m.dp_shard, "cp": m.cp,
             "strategy": model.strategy_name}
 
 

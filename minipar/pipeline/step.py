@@ -98,5 +98,6 @@ class Pipeline:
         strategy.sync_grads()
         loss = loss.float().reshape(1) if scale is None else loss.float().reshape(1) / scale
         mesh.comm.all_reduce(loss, mesh.group("pp"), tag="loss")
-        mesh.comm.all_reduce(loss, mesh.group("dp"), tag="loss")
-        return loss.div_(mesh.dp)[0]
+        group = mesh.group(mesh.grad_axis)
+        mesh.comm.all_reduce(loss, group, tag="loss")
+        return loss.div_(group.size)[0]

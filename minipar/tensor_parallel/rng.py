@@ -51,7 +51,7 @@ class TPRandom:
         self.device = mesh.device
         saved = _get_state(self.device)
         self.states: dict[str, torch.Tensor] = {}
-        where = (mesh.pp_rank, mesh.dp_rank)
+        where = (mesh.pp_rank, mesh.dp_rank) + ((mesh.cp_rank,) if mesh.cp > 1 else ())  # cp ranks: other tokens
         for region, s in (("replicated", stream_seed(seed, "replicated", *where)),
                           ("sharded", stream_seed(seed, "sharded", *where, mesh.tp_rank))):
             torch.manual_seed(s) if self.device.type == "cpu" else torch.cuda.manual_seed(s)
