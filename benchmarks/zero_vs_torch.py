@@ -2,7 +2,8 @@
 
     torchrun --nproc_per_node=2 benchmarks/zero_vs_torch.py [--model gpt|linear20 --steps N --warmup W
         --n-layer L --n-embd E --n-head H --vocab V --seq T --batch B --lr LR --seed S
-        --ddp-bucket-view 0|1 --bf16-table/--no-bf16-table --impls a,b,... --json out.json --check]
+        --ddp-bucket-view 0|1 --bf16-table/--no-bf16-table --impls a,b,... --unit-check 0|1 --json out.json
+        --check]
 
 Every implementation trains the same model, built from one seed (so the
 weights start equal), on the same per-rank batches (different on every rank),
@@ -86,7 +87,7 @@ SANITY = (("mp_zero1", "torch_zero1"), ("mp_zero3", "torch_fsdp2"), ("mp_zero2",
 LABELS = {"mp_ddp": "minipar ddp", "mp_zero1": "minipar zero1", "mp_zero2": "minipar zero2",
           "mp_zero3": "minipar zero3", "torch_ddp": "torch DDP + opt",
           "torch_zero1": "torch DDP + ZeroRedundancyOptimizer", "torch_fsdp2": "torch FSDP2 fully_shard"}
-CONTROL_TAGS = ("unused_map", "loss", "overflow", "grad_norm", "config_check")
+CONTROL_TAGS = ("unused_map", "loss", "overflow", "grad_norm", "config_check", "unit_check", "batch_check")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -114,6 +115,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(default: on for gpt, off for linear20)")
     p.add_argument("--impls", default=None,
                    help="comma-separated subset of " + ",".join(LABELS) + " (default: all)")
+    p.add_argument("--unit-check", type=int, choices=(0, 1), default=1,
+                   help="minipar zero3's check that every rank runs the same units (1, the default) or not (0): "
+                        "run both to see its cost")
     p.add_argument("--json", default=None, help="also write the results here as JSON")
     p.add_argument("--check", action="store_true", help=f"exit 1 when a minipar/torch ratio > {RATIO_LIMIT}")
     args = p.parse_args(argv)
@@ -211,8 +215,8 @@ def build_side(key: str, w: Workload, mesh: minipar.Mesh, args, mixed=None) -> S
     if key.startswith("mp_"):
         strategy = key[3:]
         inner = w.build()
-        sm = minipar.ShardedModule(inner, mesh=mesh, strategy=strategy, mixed_precision=mixed,
-                                   wrap_policy=w.wrap_policy if strategy == "zero3" else None)
+        zero3 = dict(wrap_policy=w.wrap_policy, unit_check=bool(args.unit_check)) if strategy == "zero3" else {}
+        sm = minipar.ShardedModule(inner, mesh=mesh, strategy=strategy, mixed_precision=mixed, **zero3)
         return Side(key, sm, inner, sm.build_optimizer(w.opt_cls, **w.opt_kwargs), sharded=sm)
     inner = w.build().to(mesh.device)
     if key in ("torch_ddp", "torch_zero1"):
