@@ -209,30 +209,33 @@ def all_to_all(x: torch.Tensor, comm: Comm, group: AxisGroup, output_splits: Seq
     return _AllToAll.apply(x, comm, group, out_s, in_s, tag)
 
 
-def _seq_to_heads(x: torch.Tensor, comm: Comm, group: AxisGroup, tag: str | None) -> torch.Tensor:
+def _exchange(x: torch.Tensor, comm: Comm, group: AxisGroup, tag: str | None, cut: str, what: str,
+              send_pattern: str, recv_pattern: str) -> torch.Tensor:
+    """One all-to-all over ``group`` with dim ``cut`` of x split in group.size blocks, block c sent to
+    rank c (``send_pattern`` puts the destination first); what arrives from rank c is block c of the
+    result (``recv_pattern``)."""
     n = group.size
     if n == 1:
         return x
-    if x.shape[1] % n:
-        raise ValueError(f"seq_to_heads: {x.shape[1]} heads do not divide by the {group.name} size {n}")
-    # dim 0 is the destination: rank c gets heads block c of our tokens; what arrives from rank c is its tokens
-    send = rearrange(x, "b (c h) t d -> c b h t d", c=n).contiguous()
+    dim = {"heads": 1, "tokens": 2}[cut]
+    if x.shape[dim] % n:
+        raise ValueError(f"{what}: {x.shape[dim]} {cut} do not divide by the {group.name} size {n}")
+    send = rearrange(x, send_pattern, c=n).contiguous()
     recv = torch.empty_like(send)
     comm.all_to_all(recv, send, group, tag=tag)
-    return rearrange(recv, "c b h t d -> b h (c t) d")
+    return rearrange(recv, recv_pattern)
+
+
+def _seq_to_heads(x: torch.Tensor, comm: Comm, group: AxisGroup, tag: str | None) -> torch.Tensor:
+    # rank c gets heads block c of our tokens; what arrives from rank c is its tokens of our heads
+    return _exchange(x, comm, group, tag, "heads", "seq_to_heads", "b (c h) t d -> c b h t d",
+                     "c b h t d -> b h (c t) d")
 
 
 def _heads_to_seq(x: torch.Tensor, comm: Comm, group: AxisGroup, tag: str | None) -> torch.Tensor:
-    n = group.size
-    if n == 1:
-        return x
-    if x.shape[2] % n:
-        raise ValueError(f"heads_to_seq: {x.shape[2]} tokens do not divide by the {group.name} size {n}")
-    # dim 0 is the destination: rank c gets tokens block c of our heads; what arrives from rank c is its heads
-    send = rearrange(x, "b h (c t) d -> c b h t d", c=n).contiguous()
-    recv = torch.empty_like(send)
-    comm.all_to_all(recv, send, group, tag=tag)
-    return rearrange(recv, "c b h t d -> b (c h) t d")
+    # rank c gets tokens block c of our heads; what arrives from rank c is its heads of our tokens
+    return _exchange(x, comm, group, tag, "tokens", "heads_to_seq", "b h (c t) d -> c b h t d",
+                     "c b h t d -> b (c h) t d")
 
 
 class _SeqToHeads(torch.autograd.Function):
