@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node=4 benchmarks/gpt_tp_pp.py [--tp 2 --pp 2 --schedule 1f1b --microbatches 4
         --steps 30 --batch 8 --model tiny --dtype fp32 --check-bubble 15 --out results]
+        [--cp 2 --context-parallel ring|ulysses]
 
 By default 4 CPU processes (gloo) as tp=2 x pp=2; dp is what is left of the
 world. On GPUs NCCL is chosen, and bf16 compute (``--dtype``; default bf16 on
@@ -10,6 +11,14 @@ CUDA, fp32 on CPU): bf16 trains with ZeRO-1 on the data-parallel axis and
 gradient reduction), the one mixed-precision strategy family that composes
 with pipeline parallelism. Data is the synthetic Markov "language" of
 ``minipar.models.data``.
+
+``--cp C`` adds context parallelism (``minipar.init(cp=C)``,
+``ShardedModule(context_parallel=--context-parallel)``): the C ranks of a cp
+group are given the same sequences and each keeps its tokens of them (ring:
+zig-zag, ``--seq`` a multiple of 2C; Ulysses: contiguous, ``--seq`` a multiple
+of C, and the heads per tp rank too). dp is then world / (tp x cp x pp). The
+loss is still the global batch's mean over its tokens, so the reference check
+is the same replay of the dp replicas' batches.
 
 Model presets (``--model``; ``--n-layer --n-embd --n-head --vocab --seq`` override
 any of their fields):
@@ -97,7 +106,10 @@ def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--pp", type=int, default=2)
-    ap.add_argument("--dp", type=int, default=None, help="default: world / (tp * pp)")
+    ap.add_argument("--dp", type=int, default=None, help="default: world / (tp * cp * pp)")
+    ap.add_argument("--cp", type=int, default=1, help="context-parallel size: the ranks that split each sequence")
+    ap.add_argument("--context-parallel", default="ring", choices=("ring", "ulysses"),
+                    help="how the cp ranks attend over the split sequence (with --cp 2 or more)")
     ap.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe"))
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--steps", type=int, default=30)
@@ -127,6 +139,21 @@ def parse_args() -> argparse.Namespace:
     for k, v in PRESETS[args.model].items():
         if getattr(args, k) is None:
             setattr(args, k, v)
+    if args.cp < 1:
+        ap.error(f"--cp {args.cp}: the context-parallel size must be 1 or more")
+    if args.cp > 1:
+        if args.moe:
+            ap.error("--moe with --cp: context parallelism does not compose with mixture of experts yet; use --cp 1")
+        multiple = 2 * args.cp if args.context_parallel == "ring" else args.cp
+        if args.seq % multiple:
+            why = "2 x cp zig-zag chunks" if args.context_parallel == "ring" else "cp contiguous pieces"
+            ap.error(f"--seq {args.seq} must be a multiple of {multiple} for --context-parallel "
+                     f"{args.context_parallel} at --cp {args.cp} (the sequence is cut into {why}); "
+                     f"try --seq {(args.seq // multiple + 1) * multiple}")
+        if args.context_parallel == "ulysses" and (args.n_head // args.tp) % args.cp:
+            ap.error(f"--context-parallel ulysses gives each cp rank heads / cp of a tp rank's heads, but "
+                     f"{args.n_head} heads over --tp {args.tp} do not divide by --cp {args.cp}; choose "
+                     f"--n-head divisible by tp x cp = {args.tp * args.cp}, or --context-parallel ring")
     if args.moe and args.dtype == "bf16":
         ap.error("--moe trains with strategy='ddp' in fp32 (ZeRO does not shard experts yet); drop --dtype bf16")
     if args.check_bubble is not None and args.pp < 2:
@@ -141,11 +168,14 @@ def bf16_policy() -> MixedPrecision:
 
 
 def build_model(build, cfg, mesh, args, dtype: str) -> tuple[ShardedModule, object]:
-    if dtype == "bf16":  # ZeRO-1: fp32 masters sharded over dp, bf16 compute, fp32 gradient reduction
+    context = getattr(args, "context_parallel", None) if mesh.cp > 1 else None  # soak.py's args have no cp
+    if dtype == "bf16":  # ZeRO-1: fp32 masters sharded over dp (x cp), bf16 compute, fp32 gradient reduction
         model = ShardedModule(build(cfg), mesh=mesh, strategy="zero1", mixed_precision=bf16_policy(),
-                              schedule=args.schedule, microbatches=args.microbatches, record_timeline=True)
+                              schedule=args.schedule, microbatches=args.microbatches, record_timeline=True,
+                              context_parallel=context)
     else:
-        model = ShardedModule(build(cfg), mesh=mesh, schedule=args.schedule, microbatches=args.microbatches, record_timeline=True)
+        model = ShardedModule(build(cfg), mesh=mesh, schedule=args.schedule, microbatches=args.microbatches,
+                              record_timeline=True, context_parallel=context)
     return model, model.build_optimizer(torch.optim.AdamW, lr=args.lr, weight_decay=0.1)
 
 
@@ -233,9 +263,9 @@ def reference_losses(build, ref_cfg, args, dp: int, device) -> list[float]:
 def main() -> int:
     args = parse_args()
     world = int(os.environ.get("WORLD_SIZE", 1))
-    dp = args.dp or world // (args.tp * args.pp)
+    dp = args.dp or world // (args.tp * args.cp * args.pp)
     ep = (args.ep or dp) if args.moe else 1  # experts spread over the data-parallel ranks
-    mesh = minipar.init(dp=args.dp, tp=args.tp, pp=args.pp, ep=ep)
+    mesh = minipar.init(dp=args.dp, tp=args.tp, pp=args.pp, ep=ep, cp=args.cp)
     cpu = mesh.device.type == "cpu"
     if cpu:
         torch.set_num_threads(1)
@@ -261,7 +291,8 @@ def main() -> int:
         kind = f"MoE GPT ({args.experts} experts, top-{args.top_k}, ep={mesh.ep})" if args.moe else "GPT"
         note = " (bf16 needs ZeRO, which MoE does not use yet)" if args.moe and not cpu and args.dtype is None else ""
         print(f"minipar: {kind} '{args.model}' {n_params / 1e6:.2f}M parameters on {mesh.world_size} ranks: "
-              f"dp={mesh.dp} tp={mesh.tp} pp={mesh.pp}, "
+              f"dp={mesh.dp} tp={mesh.tp} pp={mesh.pp}"
+              + (f" cp={mesh.cp} ({args.context_parallel})" if mesh.cp > 1 else "") + ", "
               + (f"{args.schedule} with {args.microbatches} micro-batches, " if mesh.pp > 1 else "no pipeline, ")
               + f"{dtype}{note}, {dist.get_backend()}", flush=True)
 
@@ -295,6 +326,8 @@ def main() -> int:
             minipar.shutdown()
             return 0
     for step in range(start, args.steps):
+        # The cp ranks of a group share their dp_rank, so they are given the same full sequences;
+        # ShardedModule.train_step keeps each rank's tokens of them.
         x = markov_batch(step, mesh.dp_rank, args.batch, args.seq, args.vocab).to(mesh.device)
         last = step == args.steps - 1
         # A barrier straight from torch.distributed, not minipar traffic: it lines the ranks' clocks up
@@ -330,7 +363,7 @@ def main() -> int:
             if bf16_rel > BF16_RTOL:
                 failures.append(f"bf16 losses differ from the fp32 reference by {bf16_rel:.2e} relative > {BF16_RTOL}")
 
-    mine = {"rank": mesh.rank, "stage": mesh.pp_rank, "tp": mesh.tp_rank, "dp": mesh.dp_rank,
+    mine = {"rank": mesh.rank, "stage": mesh.pp_rank, "tp": mesh.tp_rank, "dp": mesh.dp_rank, "cp": mesh.cp_rank,
             "steps": timelines[STEADY_FROM:] or timelines[-1:], "memory": {**state, **peak_bytes(mesh.device)}}
     everyone = mesh.comm.all_gather_object(mine, mesh.world, tag="report")
     if main_rank:
@@ -378,7 +411,8 @@ def main() -> int:
             mem = r["memory"]
             peak_mem = (f"peak CUDA allocated {mem['peak_cuda_allocated']:,} B" if "peak_cuda_allocated" in mem
                         else f"peak RSS {mem['peak_rss'] / 2**20:.0f} MiB")
-            print(f"| rank {r['rank']} (stage {r['stage']}, tp {r['tp']}, dp {r['dp']}) state before the step | params "
+            where = f"stage {r['stage']}, tp {r['tp']}, dp {r['dp']}" + (f", cp {r['cp']}" if mesh.cp > 1 else "")
+            print(f"| rank {r['rank']} ({where}) state before the step | params "
                   f"{mem['params']:,} B, grads {mem['grads']:,} B, optimizer {mem['optimizer']:,} B; {peak_mem} |")
         print(f"| MFU | {f'{mfu:.1%} ({peak_note})' if mfu is not None else peak_note} |")
         if check_steps:

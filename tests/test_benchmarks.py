@@ -1,7 +1,9 @@
 """Smoke runs of the comparison benchmarks: each starts under torchrun with two ranks, trains a tiny
 GPT for a few steps, exits 0 and prints its table, with the minipar/torch ratio and the bytes
 minipar's collective layer counted, which must match the model's parameter bytes (the pipeline
-benchmark, pp_vs_torch.py, prints no byte count: its check is the losses agreeing with PyTorch's).
+benchmark, pp_vs_torch.py, prints no byte count: its check is the losses agreeing with PyTorch's;
+the context-parallel one, cp_long_seq.py, counts attention's bytes against the ring and all-to-all
+formulas).
 
 No timing is asserted: speed targets live in the benchmarks (their ``--check``), never in tests.
 (``zero_vs_torch.py --model linear20`` is the 80M-parameter model of PyTorch's tutorial, with no
@@ -17,7 +19,10 @@ import re
 import subprocess
 import sys
 
+import torch
+
 from minipar.models import GPT, GPTConfig
+from minipar.ring_attention import ring_bytes
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = dict(n_layer=1, n_embd=16, n_head=2, vocab=64, seq=16)
@@ -148,3 +153,38 @@ def test_soak_runs_and_reports_rss_growth_and_the_batch_check_share(tmp_path):
     assert round(figures["rss_growth_max"] * 100, 2) == growth == round(max(figures["rss_growth"]) * 100, 2)
     share = _number(r"batch check: [\d.]+ ms = ([\d.]+)% of the step", out)
     assert share > 0 and round(max(figures["batch_check_share"]) * 100, 2) == share
+
+
+def test_cp_long_seq_reports_memory_per_rank_and_attention_bytes_equal_to_the_theory(tmp_path):
+    """benchmarks/cp_long_seq.py --smoke on 2 ranks: one row per layout (cp=1, cp=2 ring, cp=2 Ulysses)
+    with every rank's attention memory against cp=1's (below 1; the goals are for the long-sequence
+    run, not asserted), tokens/s, and the attention bytes each rank sent per step, which equal the
+    theory computed here: ring_bytes per layer forward and backward, Ulysses 8 all-to-alls of
+    (C-1)/C of B·H·(T/C)·D fp32. Ring and Ulysses see the same data and weights, so their first
+    losses agree. torch's context_parallel is either timed or its exception printed."""
+    result = tmp_path / "cp.json"
+    out = _torchrun("cp_long_seq.py", "--smoke", "--json", str(result))
+    figures = json.loads(result.read_text())
+    a = figures["args"]
+    batch, heads, seq, n_layer, head_dim = a["batch"], a["n_head"], a["seq"], a["n_layer"], a["n_embd"] // a["n_head"]
+    ring = ring_bytes(batch, heads, seq, head_dim, 2, torch.float32)
+    theory = {(1, None): 0, (2, "ring"): n_layer * (ring["forward"] + ring["backward"]),
+              (2, "ulysses"): n_layer * 8 * batch * heads * (seq // 2) * head_dim * 4 // 2}
+    rows = {(r["cp"], r["form"]): r for r in figures["runs"]}
+    assert sorted(rows, key=str) == sorted(theory, key=str)
+    for (cp, form), row in rows.items():
+        assert row["cp_bytes_counted"] == [theory[(cp, form)]] * 2, (cp, form, row)
+        assert row["cp_bytes_theory"] == theory[(cp, form)] and row["tokens_per_s"] > 0
+        name = "cp=1 (baseline)" if cp == 1 else f"cp={cp} {form}"
+        line = next(ln for ln in out.splitlines() if ln.startswith(f"| minipar {name} |"))
+        assert f"| {theory[(cp, form)]:,} = |" in line, line
+        assert all(0 < r < 1 for r in row["attention_ratio"]) if cp > 1 else row["attention_ratio"] == [1.0, 1.0]
+        assert all(b > 0 for b in row["model_saved_bytes"])
+    assert abs(rows[(2, "ring")]["first_loss"] - rows[(2, "ulysses")]["first_loss"]) < 1e-5
+    assert "cp=2: first-step loss ring" in out
+    (torch_cp,) = figures["torch"]
+    if torch_cp["ran"]:
+        assert _number(r"minipar ring step / torch step = ([\d.]+)", out) > 0
+    else:
+        assert re.search(r"torch context_parallel cp=2: does not run here \(\w+/\w+\): " + re.escape(torch_cp["error"]),
+                         out), out

@@ -5,6 +5,10 @@ import pathlib
 import subprocess
 import sys
 
+import torch
+
+from minipar.ring_attention import ring_bytes
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -47,6 +51,24 @@ def test_main_job_without_a_pipeline(tmp_path):
     assert "| busy fractions, bubble | n/a: pp=1, no pipeline |" in out.stdout
     assert "timeline: none written (pp=1" in out.stdout and not (tmp_path / "trace.json").exists()
     assert json.loads((tmp_path / "gpt_tp_pp.json").read_text())["reference_max_diff"] <= 1e-4
+
+
+def test_main_job_with_ring_context_parallelism(tmp_path):
+    """--cp 2 (ring) as dp=2 x cp=2: each pair of cp ranks is given the same sequences and splits them
+    zig-zag; the losses still equal the one-process replay of the two replicas' batches, and the K/V
+    blocks each rank sends per step are ring_bytes' count for every layer. A sequence the zig-zag
+    chunks do not divide is refused before any process group starts, with the fix in the message."""
+    out = _main_job(tmp_path, "--tp", "1", "--pp", "1", "--cp", "2", "--steps", "3")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "dp=2 tp=1 pp=1 cp=2 (ring)" in out.stdout and ": ok |" in out.stdout
+    result = json.loads((tmp_path / "gpt_tp_pp.json").read_text())
+    assert result["reference_max_diff"] <= 1e-4
+    a = result["args"]
+    ring = ring_bytes(a["batch"], a["n_head"], a["seq"], a["n_embd"] // a["n_head"], 2, torch.float32)
+    assert result["comm"]["send/cp"]["bytes"] == a["n_layer"] * (ring["forward"] + ring["backward"])
+    refused = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpt_tp_pp.py"), "--cp", "2", "--seq", "66"],
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "--seq 66 must be a multiple of 4" in refused.stderr, refused.stderr
 
 
 def test_main_job_in_bf16_and_its_bubble_check(tmp_path):
