@@ -339,3 +339,185 @@ def test_positions_refuse_a_sequence_that_does_not_split(seq, cp):
     if seq % cp:
         with pytest.raises(ValueError, match=f"multiple of {cp}"):
             contiguous_positions(seq, cp, 0)
+
+
+# -- 7. overlap: each hop's transfer is in flight while the block in hand is computed -------------
+#
+# Each rank keeps an ordered event log of its ring: ("launch" | "wait", tag, hop, "send" | "recv") from the
+# collective layer (the p2p call and ``wait()`` of the handle it returns) and ("compute", fn, hop, None)
+# from the block kernels `_attend` (forward) and `_attend_backward`. Launches and waits are numbered by
+# issue order per (tag, op): the n-th "cp_kv" send of a phase is hop n. A compute is numbered by the keys
+# it reads: their chunk says whose K/V block it is (src), and the block of src is in hand at hop (r - src) % C.
+
+
+def _kv_overlap_violations(log: list[tuple], cp: int, tag: str = "cp_kv") -> list[str]:
+    """What is wrong with the K/V hops of one phase's log; [] when, for every hop i < C-1, the hop's send and
+    receive are launched before the first compute on block i, waited only after its last compute, and
+    waited before block i+1 is computed on; C-1 hops in all, and a compute at every one of the C hops."""
+    at = lambda kind, hop, t=None: [j for j, e in enumerate(log)  # noqa: E731
+                                    if e[0] == kind and e[2] == hop and (t is None or e[1] == t)]
+    bad = [f"hop {h}: no compute" for h in range(cp) if not at("compute", h)]
+    if bad:
+        return bad
+    for h in range(cp - 1):
+        launches, waits = at("launch", h, tag), at("wait", h, tag)
+        computes, nxt = at("compute", h), at("compute", h + 1)
+        unpaired = [f"hop {h}: {what} {[log[j][3] for j in idx]}, not one send and one recv"
+                    for what, idx in (("launched", launches), ("waited", waits))
+                    if sorted(log[j][3] for j in idx) != ["recv", "send"]]
+        if unpaired:
+            bad += unpaired
+            continue
+        if max(launches) > min(computes):
+            bad.append(f"hop {h}: transfer launched after the compute on the block in hand began")
+        if min(waits) < max(computes):
+            bad.append(f"hop {h}: transfer waited before the compute on the block in hand ended (serialised)")
+        if max(waits) > min(nxt):
+            bad.append(f"hop {h}: the next block was computed on before its transfer was waited")
+    if at("launch", cp - 1, tag):
+        bad.append(f"a hop {cp - 1}: K/V sent {cp} times, the ring needs {cp - 1}")
+    return bad
+
+
+def _accumulator_violations(log: list[tuple], cp: int, tag: str = "cp_kv_grad") -> list[str]:
+    """The backward's dK/dV accumulator, C hops: at hop i one send and one recv, each waited once; the send
+    launched after the last compute of hop i (it carries that block's contribution), and the accumulator
+    received at hop i waited before it is sent on at hop i+1."""
+    at = lambda kind, hop, op=None: [j for j, e in enumerate(log) if e[:3] == (kind, tag, hop)  # noqa: E731
+                                     and (op is None or e[3] == op)]
+    bad = [f"accumulator hop {h}: {kind}es are not one send and one recv" for h in range(cp)
+           for kind in ("launch", "wait") if sorted(log[j][3] for j in at(kind, h)) != ["recv", "send"]]
+    if bad:
+        return bad
+    for h in range(cp):
+        computes = [j for j, e in enumerate(log) if e[0] == "compute" and e[2] == h]
+        if min(at("launch", h, "send")) < max(computes):
+            bad.append(f"accumulator hop {h}: sent before its block's compute ended")
+        if h + 1 < cp and max(at("wait", h, "recv")) > min(at("launch", h + 1, "send")):
+            bad.append(f"accumulator hop {h}: sent on before it was received")
+    if any(e[0] == "launch" and e[1] == tag and e[2] >= cp for e in log):
+        bad.append(f"accumulator sent more than {cp} times")
+    return bad
+
+
+class _LoggedWork:
+    """A p2p handle whose ``wait`` appends its event to the log (then waits)."""
+
+    def __init__(self, work, log: list, event: tuple) -> None:
+        self._work, self._log, self._event = work, log, event
+
+    def wait(self, *args):
+        self._log.append(self._event)
+        return self._work.wait(*args)
+
+
+def _rank_ring_event_logs(ctx, cp_seq: int, serialise: bool):
+    """Ring attention forward and backward with the p2p calls, their waits and the block kernels logged:
+    (forward log, backward log). ``serialise``: `_ring_pass` waits its transfers before returning (what
+    a ring without overlap does), to show the logs and checks can see the difference."""
+    mesh = Mesh()
+    comm, group = mesh.comm, mesh.world
+    C, r = group.size, group.rank
+    n = cp_seq // (2 * C)
+    log: list[tuple] = []
+    issued: dict[tuple, int] = {}
+
+    def hop_of(k_pos: torch.Tensor) -> int:
+        b = int(k_pos[0]) // n  # the key chunk, of 2C; its owner holds chunks src and 2C-1-src
+        return (r - (b if b < C else 2 * C - 1 - b)) % C
+
+    def logged_p2p(op: str, call):
+        def p2p(tensor, peer, grp, async_op=False, tag=None):
+            hop = issued.get((op, tag), 0)
+            issued[(op, tag)] = hop + 1
+            log.append(("launch", tag, hop, op))
+            return _LoggedWork(call(tensor, peer, grp, async_op=async_op, tag=tag), log, ("wait", tag, hop, op))
+        return p2p
+
+    def logged_kernel(name: str, kernel, k_pos_at: int):
+        def run(*args):
+            log.append(("compute", name, hop_of(args[k_pos_at]), None))
+            return kernel(*args)
+        return run
+
+    def serialised_pass(*args):  # the same hop, but waited at once: no overlap
+        for w in ring_pass(*args):
+            w.wait()
+        return []
+
+    attend, attend_backward, ring_pass = ra._attend, ra._attend_backward, ra._ring_pass
+    comm.send, comm.recv = logged_p2p("send", comm.send), logged_p2p("recv", comm.recv)  # this Comm only
+    ra._attend = logged_kernel("attend", attend, 4)  # (q, k, v, q_pos, k_pos, scale, masked)
+    ra._attend_backward = logged_kernel("attend_backward", attend_backward, 7)  # (q, k, v, do, lse, Δ, q_pos, k_pos,...
+    if serialise:
+        ra._ring_pass = serialised_pass
+    try:
+        q, k, v, dout = (_gen(3, slot, (1, 2, cp_seq, 4)).index_select(2, zigzag_positions(cp_seq, C, r))
+                         for slot in range(4))
+        q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+        out = ring_attention(q, k, v, comm, group, cp_seq)
+        fwd = list(log)
+        log.clear()
+        issued.clear()
+        out.backward(dout)
+        return fwd, list(log)
+    finally:
+        ra._attend, ra._attend_backward, ra._ring_pass = attend, attend_backward, ring_pass
+        mesh.destroy()
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_attention_overlaps_each_hop_with_compute(pools, cp):
+    """Ring attention hides each K/V transfer behind the compute on the block in hand, forward and backward.
+
+    On every rank, for every hop i < C-1, in the order the calls are made: the send of the block in hand
+    to r+1 and the receive of the next one from r-1 are launched (async) before the first block kernel on
+    the block in hand, and their handles are waited only after its last block kernel, and before the
+    received block is computed on. Exactly C-1 K/V hops each way, every handle waited once.
+
+    The backward's dK/dV accumulator (C hops, the last one home) is the output of hop i's compute, so it
+    can only leave after it; checked: it does, and the one received is waited before it is sent on.
+    Not required, and not done: its transfer is launched after compute i and waited before compute i+1,
+    so nothing hides it. This is the order calls are issued; whether bytes move meanwhile is the backend's
+    business (gloo runs isend/irecv on its own threads).
+    """
+    for r, (fwd, bwd) in enumerate(pools.run(cp, _rank_ring_event_logs, 4 * cp, False, timeout=TIMEOUT)):
+        assert _kv_overlap_violations(fwd, cp) == [], (r, "forward", fwd)
+        assert [e for e in fwd if e[1] not in ("cp_kv", "attend")] == [], (r, fwd)
+        assert _kv_overlap_violations(bwd, cp) == [], (r, "backward", bwd)
+        assert _accumulator_violations(bwd, cp) == [], (r, "backward", bwd)
+        assert [e for e in bwd if e[1] not in ("cp_kv", "cp_kv_grad", "attend_backward")] == [], (r, bwd)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_overlap_check_rejects_a_serialised_ring(pools, cp):
+    """The same run with each hop waited as soon as it is launched (before the compute): the check above
+    rejects every K/V hop of every rank, forward and backward, so it can fail."""
+    for r, (fwd, bwd) in enumerate(pools.run(cp, _rank_ring_event_logs, 4 * cp, True, timeout=TIMEOUT)):
+        for phase, log in (("forward", fwd), ("backward", bwd)):
+            bad = _kv_overlap_violations(log, cp)
+            assert bad == [f"hop {h}: transfer waited before the compute on the block in hand ended (serialised)"
+                           for h in range(cp - 1)], (r, phase, bad)
+
+
+_GOOD = [  # C = 2, overlapped: launch, compute, wait, compute
+    ("launch", "cp_kv", 0, "send"), ("launch", "cp_kv", 0, "recv"), ("compute", "attend", 0, None),
+    ("wait", "cp_kv", 0, "send"), ("wait", "cp_kv", 0, "recv"), ("compute", "attend", 1, None)]
+
+
+@pytest.mark.parametrize("log,problem", [
+    (_GOOD, None),
+    ([_GOOD[0], _GOOD[1], _GOOD[3], _GOOD[4], _GOOD[2], _GOOD[5]], "waited before the compute"),
+    ([_GOOD[2], _GOOD[0], _GOOD[1], _GOOD[3], _GOOD[4], _GOOD[5]], "launched after the compute"),
+    ([_GOOD[0], _GOOD[1], _GOOD[2], _GOOD[3], _GOOD[5], _GOOD[4]], "computed on before its transfer"),
+    (_GOOD[:4] + _GOOD[5:], "not one send and one recv"),
+    (_GOOD[:5], "hop 1: no compute"),
+])
+def test_overlap_check_on_hand_written_logs(log, problem):
+    """The check itself, cp = 2: the overlapped order passes; a wait moved before the compute, a launch
+    after it, a wait after the next compute, a missing wait, a missing hop are each rejected."""
+    bad = _kv_overlap_violations(log, 2)
+    if problem is None:
+        assert bad == []
+    else:
+        assert any(problem in b for b in bad), bad
