@@ -209,7 +209,7 @@ def peak_bytes(device: torch.device) -> dict[str, int]:
 def matmul_params(gpt: torch.nn.Module) -> int:
     """Parameters a token is multiplied by: all but the embedding tables; the LM head's weight even
     when tied (it is a matmul there); each MoE layer's experts by top_k / n_experts."""
-    tables = {id(gpt.wte.weight), id(gpt.wpe.weight)}
+    tables = {id(gpt.wte.weight)} | ({id(gpt.wpe.weight)} if gpt.wpe is not None else set())
     n = sum(p.numel() for p in gpt.parameters() if id(p) not in tables)
     if gpt.lm_head.weight is gpt.wte.weight:
         n += gpt.lm_head.weight.numel()

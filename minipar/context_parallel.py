@@ -10,7 +10,8 @@ things, here:
    chunk sees many keys, one in an early chunk few). ``ulysses``: rank r keeps the r-th of C
    contiguous chunks (every rank attends over the whole sequence for its heads: balanced anyway).
 2. **Positions.** The model computes positions 0..T/C-1 for its local tokens; a forward pre-hook
-   on the position embedding (`GPT.wpe`) maps them to the tokens' true positions.
+   on each module that takes positions (the learned table `GPT.wpe`, the rotary embedding
+   `Rotary` of a ``pos="rope"`` model) maps them to the tokens' true positions.
 3. **Attention.** Each attention module's ``context_attention`` becomes ring attention (K/V blocks
    passed around the cp ring, partial outputs merged by their log-sum-exp,
    `minipar.ring_attention.ring_attention`) or Ulysses (all-to-all to all tokens of H/C heads,
@@ -113,5 +114,7 @@ class ContextParallel:
 
 
 def position_modules(module: nn.Module) -> list[nn.Module]:
-    """The learned position embeddings whose inputs are positions (minipar's GPT and its stages: ``wpe``)."""
-    return [m for name, m in module.named_modules() if name.split(".")[-1] == "wpe" and isinstance(m, nn.Embedding)]
+    """The modules whose input is the tokens' positions: learned position tables (minipar's GPT and
+    its stages: ``wpe``) and any module that declares ``takes_positions`` (rotary embeddings)."""
+    return [m for name, m in module.named_modules()
+            if getattr(m, "takes_positions", False) or (name.split(".")[-1] == "wpe" and isinstance(m, nn.Embedding))]

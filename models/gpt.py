@@ -4,9 +4,10 @@ Token and position embeddings, pre-norm blocks (causal self-attention through
 ``scaled_dot_product_attention``, GELU MLP), a final LayerNorm and an LM head
 that can share the token embedding's weight. Attention has separate q/k/v/o
 projections and reshapes with ``-1`` heads, so tensor parallelism can split the
-projections without touching this file. ``norm="rmsnorm"`` and ``mlp="swiglu"``
-give the Llama-style variants (RMSNorm, and a gated SiLU MLP with separate
-gate and up projections).
+projections without touching this file. ``norm="rmsnorm"``, ``mlp="swiglu"`` and
+``pos="rope"`` give the Llama-style variants (RMSNorm; a gated SiLU MLP with
+separate gate and up projections; rotary position embeddings on queries and
+keys instead of a learned position table).
 
 Norms, activations and the loss go through ``minipar.kernels``: fused Triton
 kernels on a GPU (or under ``TRITON_INTERPRET=1``), the PyTorch functions
@@ -41,6 +42,8 @@ class GPTConfig:
     tie_weights: bool = True   # LM head shares the token embedding's weight
     norm: str = "layernorm"    # or "rmsnorm"
     mlp: str = "gelu"          # or "swiglu": proj(silu(gate(x)) * fc(x))
+    pos: str = "learned"       # or "rope": rotary embeddings in attention, no wpe table
+    rope_base: float = 10000.0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -50,6 +53,11 @@ class GPTConfig:
             raise ValueError(f"norm={self.norm!r}; choose 'layernorm' or 'rmsnorm'")
         if self.mlp not in ("gelu", "swiglu"):
             raise ValueError(f"mlp={self.mlp!r}; choose 'gelu' or 'swiglu'")
+        if self.pos not in ("learned", "rope"):
+            raise ValueError(f"pos={self.pos!r}; choose 'learned' or 'rope'")
+        if self.pos == "rope" and (self.n_embd // self.n_head) % 2:
+            raise ValueError(f"pos='rope' rotates pairs of features: the head size n_embd / n_head = "
+                             f"{self.n_embd // self.n_head} must be even")
 
 
 class LayerNorm(nn.LayerNorm):
@@ -72,10 +80,42 @@ def make_norm(cfg: GPTConfig) -> nn.Module:
     return LayerNorm(cfg.n_embd, bias=cfg.bias)
 
 
+class Rotary(nn.Module):
+    """Rotary position embedding (RoPE, as in Llama): feature i of a head and feature i + d/2 are
+    rotated together by the angle pos * base^(-2i/d), for queries and keys alike, so that q . k
+    depends on the positions only through their difference.
+
+    ``forward(positions)`` -> (cos, sin), each (seq, head_dim): the module's input is the tokens'
+    positions, like a learned position table's, so that context parallelism can hand it the true
+    positions of a rank's tokens (``takes_positions``). No parameters, and no state-dict entry.
+    """
+
+    takes_positions = True
+
+    def __init__(self, head_dim: int, base: float) -> None:
+        super().__init__()
+        inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        angles = positions.to(torch.float32)[:, None] * self.inv_freq.to(positions.device)[None, :]
+        angles = torch.cat((angles, angles), dim=-1)  # feature i and i + d/2 share an angle
+        return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (..., seq, head_dim) rotated: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) per pair
+    (x1 = x[..., :d/2], x2 = x[..., d/2:]); computed in fp32, returned in x's dtype."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return (x.float() * cos + rotated * sin).to(x.dtype)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.head_dim = cfg.n_embd // cfg.n_head
+        self.rotary = Rotary(self.head_dim, cfg.rope_base) if cfg.pos == "rope" else None
         self.q_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.k_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.v_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
@@ -93,6 +133,9 @@ class CausalSelfAttention(nn.Module):
         # n_head / tp heads, hence -1.
         b, t = q.shape[:2]
         q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in (q, k, v))
+        if self.rotary is not None:
+            cos, sin = self.rotary(torch.arange(t, device=q.device))
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.context_attention is not None:
             y = self.context_attention(q, k, v)
         else:
@@ -135,7 +178,8 @@ class GPT(nn.Module):
         super().__init__()
         self.config = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        # rope: positions enter in attention (CausalSelfAttention.rotary); no learned table
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd) if cfg.pos == "learned" else None
         self.drop = nn.Dropout(cfg.dropout)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = make_norm(cfg)
@@ -172,7 +216,7 @@ class GPT(nn.Module):
         if cfg.mlp == "swiglu":  # gate and up read one input: it enters the tp region once, for both
             plan.update({"layers.*.mlp": "enter_region", "layers.*.mlp.fc": "colwise_in_region",
                          "layers.*.mlp.gate": "colwise_in_region"})
-        if sequence_parallel:
+        if sequence_parallel and self.wpe is not None:
             plan["wpe"] = SequenceShard(0)
         return plan
 
@@ -195,8 +239,10 @@ class GPT(nn.Module):
         t = idx.shape[1]
         if t > self.config.block_size:
             raise ValueError(f"sequence length {t} exceeds block_size={self.config.block_size}")
-        pos = torch.arange(t, device=idx.device)
-        x = self.drop(self.wte(idx) + self.wpe(pos))
+        x = self.wte(idx)
+        if self.wpe is not None:
+            x = x + self.wpe(torch.arange(t, device=idx.device))
+        x = self.drop(x)
         for block in self.layers:
             x = block(x)
         return self.lm_head(self.ln_f(x))

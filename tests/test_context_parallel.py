@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import example, given, strategies as st
 
 from minipar import Mesh, ShardedModule
 from minipar.models import GPT, GPTConfig, gpt_loss
@@ -25,9 +25,13 @@ from helpers import EPS, LR, WD
 MAX_NORM = 0.05
 
 
+LLAMA = dict(norm="rmsnorm", mlp="swiglu", pos="rope")  # rotary positions: rotated by the true positions
+
+
 def _cfg(case: dict) -> dict:
     return dict(vocab_size=16, block_size=case["seq"], n_layer=2, n_head=case["heads"],
-                n_embd=4 * case["heads"], dropout=0.0, seed=case["seed"])
+                n_embd=4 * case["heads"], dropout=0.0, seed=case["seed"],
+                **(LLAMA if case.get("model") == "llama" else {}))
 
 
 def _data(case: dict, rows: int) -> torch.Tensor:
@@ -87,13 +91,18 @@ def cp_cases(draw):
     seq = (2 * cp if form == "ring" else cp) * chunk
     heads = cp * draw(st.integers(1, 2)) if form == "ulysses" else draw(st.integers(1, 3))
     return dict(cp=cp, form=form, seq=seq, heads=heads, strategy=draw(st.sampled_from(["ddp", "zero1", "zero2", "zero3"])),
-                ignored=draw(st.integers(0, seq - 1)), seed=draw(st.integers(0, 2**16)))
+                ignored=draw(st.integers(0, seq - 1)), seed=draw(st.integers(0, 2**16)),
+                model=draw(st.sampled_from(["gpt", "llama"])))
 
 
 @given(case=cp_cases())
+@example(case=dict(cp=2, form="ring", seq=8, heads=2, strategy="zero3", ignored=3, seed=5, model="llama"))
+@example(case=dict(cp=2, form="ulysses", seq=6, heads=2, strategy="ddp", ignored=0, seed=6, model="llama"))
 def test_context_parallel_equals_single_process(pools, case):
-    """World 4 as dp x cp (cp 2 or 4), ring or Ulysses, any strategy: the losses, clipped gradient
-    norms and parameters after three AdamW steps equal the single-process run on the global batch.
+    """World 4 as dp x cp (cp 2 or 4), ring or Ulysses, any strategy, minipar's GPT (learned
+    positions) or its Llama-style form (rotary positions, RMSNorm, SwiGLU): the losses, clipped
+    gradient norms and parameters after three AdamW steps equal the single-process run on the
+    global batch; so each rank's tokens were given their true positions, in the table or the rotation.
     Ignored targets sit in the first sequence's early tokens, so the cp ranks count different
     numbers of tokens: the loss must be weighted per token, not averaged per rank."""
     ref_losses, ref_norms, ref_state = _reference(case, 4)
@@ -181,13 +190,17 @@ def test_refusals_say_what_to_change(pools, layout, cfg, form, seq, message, tag
 
 def test_mesh_layout_puts_cp_between_tp_and_dp():
     """rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank; dp_cp joins every dp and cp
-    rank of one tp rank and stage (the gradient axis)."""
+    rank of one tp rank and stage (the gradient axis); edp and dp_shard take in the cp ranks."""
     from minipar.mesh import axis_rank_lists
     kw = dict(dp=2, cp=2, tp=2, pp=1)
     assert axis_rank_lists("tp", **kw) == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert axis_rank_lists("cp", **kw) == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert axis_rank_lists("dp", **kw) == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert axis_rank_lists("dp_cp", **kw) == [[0, 2, 4, 6], [1, 3, 5, 7]]
-    with pytest.raises(ValueError, match="does not compose with expert parallelism"):
-        from minipar.mesh import _check_sizes
-        _check_sizes(8, None, 1, 1, 2, None, 2)
+    # world 8 as dp=4 x cp=2: ep=2 splits dp; the experts' replicas (edp) and HSDP's shard groups
+    # (dp_shard=2) take in the cp ranks; ep and dp_replicate stay within one cp rank
+    kw = dict(dp=4, cp=2, ep=2, dp_shard=2)
+    assert axis_rank_lists("ep", **kw) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert axis_rank_lists("edp", **kw) == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert axis_rank_lists("dp_shard", **kw) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert axis_rank_lists("dp_replicate", **kw) == [[0, 4], [1, 5], [2, 6], [3, 7]]

@@ -61,3 +61,47 @@ def test_loss_ignores_minus_100_and_learns():
         opt.step()
         opt.zero_grad()
     assert loss.item() < 0.5 * first
+
+
+def test_rotary_is_the_complex_rotation_and_depends_on_relative_position():
+    """pos="rope": feature pairs (i, i + d/2) of q and k are rotated by pos * base^(-2i/d), i.e.
+    multiplied as complex numbers x_i + j x_{i+d/2} by e^{j pos theta_i} (checked against that
+    formula); so q_m . k_n depends on m - n only, and a shifted sequence gives the same scores."""
+    from minipar.models.gpt import Rotary, apply_rotary
+    d, base = 8, 100.0
+    rot = Rotary(d, base)
+    x = torch.randn(3, 5, d, generator=torch.Generator().manual_seed(0))
+    pos = torch.tensor([0, 1, 4, 9, 30])
+    cos, sin = rot(pos)
+    got = apply_rotary(x, cos, sin)
+    theta = base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    z = torch.complex(x[..., :d // 2].double(), x[..., d // 2:].double()) * torch.polar(
+        torch.ones(5, d // 2, dtype=torch.float64), pos[:, None].double() * theta)
+    torch.testing.assert_close(got, torch.cat([z.real, z.imag], dim=-1).float())
+    q, k = torch.randn(2, d, generator=torch.Generator().manual_seed(1))
+
+    def score(m, n):
+        c, s = rot(torch.tensor([m, n]))
+        return (apply_rotary(q, c[0], s[0]) * apply_rotary(k, c[1], s[1])).sum()
+    torch.testing.assert_close(score(7, 3), score(24, 20))
+    assert not torch.allclose(score(7, 3), score(7, 4))
+
+
+def test_rope_model_has_no_position_table_and_uses_positions():
+    """The Llama-style GPT (rmsnorm, swiglu, rope) keeps no wpe and no state-dict entry for the
+    rotary tables. Positions reach it only through the rotation: swapping two earlier tokens
+    changes the last token's logits, and would not with the rotation taken out (causal attention
+    without positions is blind to the order of the keys)."""
+    cfg = GPTConfig(vocab_size=16, block_size=8, n_layer=1, n_head=2, n_embd=8, norm="rmsnorm", mlp="swiglu",
+                    pos="rope")
+    model = GPT(cfg)
+    assert model.wpe is None and not any("wpe" in k or "inv_freq" in k for k in model.state_dict())
+    a, b = torch.tensor([[1, 2, 3, 4, 5]]), torch.tensor([[2, 1, 3, 4, 5]])
+    assert not torch.allclose(model(a)[0, -1], model(b)[0, -1], atol=1e-6)
+    for block in model.layers:
+        block.attn.rotary = None
+    torch.testing.assert_close(model(a)[0, -1], model(b)[0, -1])
+    with pytest.raises(ValueError, match="must be even"):
+        GPTConfig(n_embd=6, n_head=2, pos="rope")
+    with pytest.raises(ValueError, match="pos='alibi'"):
+        GPTConfig(pos="alibi")

@@ -94,7 +94,7 @@ def balanced_boundaries(n_layer: int, stages: int, block_params: Sequence[int] |
 def stage_params(gpt: nn.Module) -> tuple[list[int], int, int]:
     """(each block's parameters, the embedding's E, the head's H) of a GPT, as `balanced_boundaries`
     takes them; a tied head's weight is counted once, in E."""
-    embedding = list(gpt.wte.parameters()) + list(gpt.wpe.parameters())
+    embedding = list(gpt.wte.parameters()) + (list(gpt.wpe.parameters()) if gpt.wpe is not None else [])
     seen = {id(p) for p in embedding}
     head = [p for p in list(gpt.ln_f.parameters()) + list(gpt.lm_head.parameters()) if id(p) not in seen]
     return ([sum(p.numel() for p in block.parameters()) for block in gpt.layers],
@@ -157,8 +157,10 @@ class GPTStage(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.first:
-            pos = torch.arange(x.shape[1], device=x.device)
-            x = self.drop(self.wte(x) + self.wpe(pos))
+            h = self.wte(x)
+            if self.wpe is not None:
+                h = h + self.wpe(torch.arange(x.shape[1], device=x.device))
+            x = self.drop(h)
         for block in self.layers:
             x = block(x)
         return self.lm_head(self.ln_f(x)) if self.last else x
