@@ -23,9 +23,8 @@ peak against the cp = 1 layout's on the same rank; the goals are <= 0.55 at cp =
 The whole model's saved bytes (the same meter around the whole forward) are measured in the warm-up
 step and printed beside them. What to expect: ring attention keeps exactly what cp = 1 keeps for its
 tokens (1/C), since its output, like SDPA's, is laid out so that the output projection's input is a view
-of it; Ulysses keeps one tensor more per token (SDPA's output in the heads layout, which the backward
-needs, and the output projection's input in the tokens layout, a copy after the all-to-all back): about
-1.2/C for this model.
+of it; so does Ulysses, whose local attention recomputes its output in backward instead of keeping it in
+the heads layout beside the output projection's input in the tokens layout (which would make 1.2/C).
 
 Communication. Each step runs inside ``mesh.comm.counting()``; the attention traffic of a rank is what it
 sends on the cp axis: ring attention's K/V (and dK/dV) sends (op "send", tags "cp_kv*"), Ulysses'

@@ -70,7 +70,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: C
     """Causal attention when each rank holds contiguous tokens (``contiguous_positions``): (B, H, T/C, D) each.
 
     Three all-to-alls give every rank all T tokens of its H/C heads, causal SDPA runs on them, a fourth
-    returns the output to (B, H, T/C, D). The backward is the same four exchanges reversed.
+    returns the output to (B, H, T/C, D). The backward is the same four exchanges reversed; the local
+    attention's output is recomputed there rather than saved (`_CoreAttention` says why).
     """
     C, heads = group.size, q.shape[1]
     if heads % C:
@@ -78,8 +79,35 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: C
                          f"tensor parallelism, the heads per tp rank). Choose cp dividing the head count, or "
                          f"use ring attention")
     q, k, v = (seq_to_heads(t, comm, group, tag="cp_ulysses") for t in (q, k, v))
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-    return heads_to_seq(out, comm, group, tag="cp_ulysses")
+    return heads_to_seq(_CoreAttention.apply(q, k, v, scale), comm, group, tag="cp_ulysses")
+
+
+class _CoreAttention(torch.autograd.Function):
+    """Causal SDPA whose output is recomputed in backward instead of saved (Ulysses' local attention).
+
+    forward:  out = softmax(q kᵀ · scale + causal mask) v, saving q, k, v only.
+    backward: out is recomputed from the saved q, k, v under autograd and (dq, dk, dv) =
+              ∂out/∂(q, k, v)ᵀ · dout.
+
+    Why: without context parallelism the attention output and the output projection's input are one
+    tensor in memory (a free transpose), saved once. Under Ulysses they are in different layouts (H/C
+    heads of all tokens, all heads of T/C tokens), so saving both would keep a full copy more: cp = 2
+    would keep 0.6 of cp = 1's attention activations instead of 0.5. Recomputing costs one attention
+    forward on H/C heads per layer in backward and no communication.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale):
+        ctx.save_for_backward(q, k, v)
+        ctx.scale = scale
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+
+    @staticmethod
+    def backward(ctx, dout):
+        inputs = [t.detach().requires_grad_() for t in ctx.saved_tensors]
+        with torch.enable_grad():
+            out = F.scaled_dot_product_attention(*inputs, is_causal=True, scale=ctx.scale)
+        return (*torch.autograd.grad(out, inputs, dout), None)
 
 
 def zigzag_positions(seq_len: int, cp: int, cp_rank: int, device=None) -> torch.Tensor:
