@@ -18,6 +18,10 @@ same way: ``dp_rank = replicate_rank * dp_shard + shard_rank``, so a
 strategies shard over it) and a ``dp_replicate`` group joins the ranks that
 hold the same shard (they all-reduce it once per step). Without HSDP
 (``dp_shard = dp``) the dp_shard group is the dp group and dp_replicate has one rank.
+Under context parallelism the cp ranks hold other tokens of the same
+parameters, so ``edp`` and ``dp_shard`` take them in (edp x cp, dp_shard x cp,
+cp fastest): experts' gradients are averaged, and HSDP shards, over them too;
+``ep`` and ``dp_replicate`` stay within one cp rank.
 
 Example, world 8, ``Mesh(dp=2, tp=2, pp=2)``::
 
@@ -283,17 +287,19 @@ def axis_rank_lists(axis: str, *, dp: int, tp: int = 1, pp: int = 1, ep: int = 1
         return g.permute(0, 3, 1, 2).reshape(-1, dp * cp).tolist()
     if axis == "pp":
         return g.permute(1, 2, 3, 0).reshape(-1, pp).tolist()
+    # dp_shard and edp hold different tokens of the same parameters: under context parallelism they
+    # take in the cp ranks too (cp fastest, as in dp_cp), like the gradient axis dp_cp does.
     if axis in ("dp_shard", "dp_replicate"):
         shard = dp if dp_shard is None else dp_shard
         g5 = g.reshape(pp, dp // shard, shard, cp, tp)  # dp split into (replicate, shard), shard fastest
         if axis == "dp_shard":
-            return g5.permute(0, 1, 3, 4, 2).reshape(-1, shard).tolist()
+            return g5.permute(0, 1, 4, 2, 3).reshape(-1, shard * cp).tolist()
         return g5.permute(0, 2, 3, 4, 1).reshape(-1, dp // shard).tolist()
     g5 = g.reshape(pp, dp // ep, ep, cp, tp)  # dp split into (edp, ep), ep fastest
     if axis == "ep":
         return g5.permute(0, 1, 3, 4, 2).reshape(-1, ep).tolist()
     if axis == "edp":
-        return g5.permute(0, 2, 3, 4, 1).reshape(-1, dp // ep).tolist()
+        return g5.permute(0, 2, 4, 1, 3).reshape(-1, (dp // ep) * cp).tolist()
     raise ValueError(f"unknown mesh axis {axis!r}; the axes are {AXES}")
 
 
@@ -324,7 +330,4 @@ def _check_sizes(world_size: int, dp, tp, pp, ep, dp_shard=None, cp=1) -> tuple[
     if dp % dp_shard:
         raise ValueError(f"dp_shard={dp_shard} must divide dp={dp}: HSDP splits the data-parallel ranks into "
                          f"shard groups of dp_shard and replicates across dp / dp_shard of them")
-    if cp > 1 and (ep > 1 or dp_shard != dp):
-        raise ValueError(f"context parallelism (cp={cp}) does not compose with expert parallelism (ep={ep}) or "
-                         f"HSDP (dp_shard={dp_shard} < dp={dp}) yet; use cp=1, or ep=1 and dp_shard=None")
     return dp, tp, pp, ep, dp_shard, cp

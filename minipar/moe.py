@@ -34,6 +34,12 @@ rank routes its own slice of the sequence: the reference also sets
 There the layer's parameters are placed ``sequence_parallel`` (their gradients
 summed over tp, as a norm's) and ``sequence_shards = tp`` divides each rank's
 auxiliary-loss gradient, so that the sum over tp is the mean over groups.
+Under context parallelism each cp rank routes its own tokens of the sequence
+(ring attention's zig-zag chunks, or Ulysses' contiguous piece): the reference
+sets ``route_seq_order`` to the positions as the cp ranks hold them, rank after
+rank, and ``route_seq_chunks`` to cp (times tp under sequence parallelism).
+Gradients are averaged over dp x cp there, so the auxiliary loss needs no
+extra scale.
 
 Auxiliary losses (per group, then averaged over groups):
 
@@ -172,6 +178,7 @@ class MoELayer(nn.Module):
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
         self.route_groups = 1          # > 1 only in a single-process reference of several ranks
         self.route_seq_chunks = 1      # the same, for ranks that hold slices of the sequence
+        self.route_seq_order = None    # the same, for cp ranks holding zig-zag chunks: the positions in rank order
         self.aux_scale = 1.0           # 1/m when the loss is a mean over m micro-batches
         self.sequence_shards = 1       # tp under sequence parallelism: the ranks routing one sequence
         self.comm = self.ep_group = None
@@ -197,6 +204,10 @@ class MoELayer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (..., d_model) -> (..., d_model); each token the weighted sum of its kept experts' outputs."""
+        order = self.route_seq_order
+        if order is not None:  # the sequence as the cp ranks hold it (routed in that order, put back below)
+            order = torch.as_tensor(order, device=x.device)
+            x = x.index_select(1, order)
         shape = x.shape
         g, s = self.route_groups, self.route_seq_chunks
         if s > 1:  # (batch share, sequence slice) groups, as the ranks of a sequence-parallel run hold them
@@ -221,7 +232,8 @@ class MoELayer(nn.Module):
         if self.training and torch.is_grad_enabled():
             extra = self.aux_loss_coef * aux + self.z_loss_coef * z
             out = _AddAuxLoss.apply(out, extra, self.aux_scale / self.sequence_shards)
-        return out.reshape(shape)
+        out = out.reshape(shape)
+        return out if order is None else out.index_select(1, order.argsort())
 
     def _forward_group(self, x: torch.Tensor):
         n_tokens = x.shape[0]

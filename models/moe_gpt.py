@@ -26,7 +26,8 @@ class MoEGPTConfig(GPTConfig):
     z_loss_coef: float = 0.001
     expert_hidden: int | None = None   # each expert's hidden width; default 4 * n_embd
     route_groups: int = 1
-    route_seq_chunks: int = 1          # the reference of a sequence-parallel run: tp
+    route_seq_chunks: int = 1          # the reference of a sequence-parallel run: tp (x cp)
+    route_seq_order: tuple[int, ...] | None = None  # the reference of a ring cp run: positions in cp-rank order
     moe_blocks: tuple[int, ...] | None = None  # which blocks get an MoE MLP; default every block
 
     def __post_init__(self) -> None:
@@ -44,6 +45,7 @@ class MoEGPT(GPT):
             block.mlp = MoELayer(cfg.n_embd, hidden, cfg.n_experts, cfg.top_k, cfg.capacity_factor,
                                  cfg.aux_loss_coef, cfg.z_loss_coef, seed=cfg.seed * 7919 + i + 1)
             block.mlp.route_groups, block.mlp.route_seq_chunks = cfg.route_groups, cfg.route_seq_chunks
+            block.mlp.route_seq_order = cfg.route_seq_order
 
     def tp_plan(self, tp: int, sequence_parallel: bool = False, gather_logits: bool = False) -> dict:
         """The dense GPT's plan without the MoE blocks' MLP entries: the MoE layers run replicated on

@@ -344,8 +344,9 @@ LAYOUTS_4 = [(4, 1, 1, 1, 4, 1), (2, 2, 1, 1, 2, 1), (1, 2, 2, 1, 1, 1), (2, 1, 
 
 
 def _axis_sizes(dp, tp, pp, ep, shard, cp):
-    return {"dp": dp, "tp": tp, "pp": pp, "ep": ep, "edp": dp // ep, "dp_shard": shard, "dp_replicate": dp // shard,
-            "cp": cp, "dp_cp": dp * cp}
+    # edp and dp_shard take in the cp ranks (other tokens of the same parameters)
+    return {"dp": dp, "tp": tp, "pp": pp, "ep": ep, "edp": dp // ep * cp, "dp_shard": shard * cp,
+            "dp_replicate": dp // shard, "cp": cp, "dp_cp": dp * cp}
 
 
 def _rank_mesh_groups(ctx, layout):
@@ -355,8 +356,9 @@ def _rank_mesh_groups(ctx, layout):
     try:
         assert me == ((mesh.pp_rank * dp + mesh.dp_rank) * cp + mesh.cp_rank) * tp + mesh.tp_rank
         assert mesh.dp_rank == mesh.edp_rank * ep + mesh.ep_rank == mesh.replicate_rank * shard + mesh.shard_rank
-        coord = {"dp": mesh.dp_rank, "tp": mesh.tp_rank, "pp": mesh.pp_rank, "ep": mesh.ep_rank, "edp": mesh.edp_rank,
-                 "dp_shard": mesh.shard_rank, "dp_replicate": mesh.replicate_rank, "cp": mesh.cp_rank,
+        coord = {"dp": mesh.dp_rank, "tp": mesh.tp_rank, "pp": mesh.pp_rank, "ep": mesh.ep_rank,
+                 "edp": mesh.edp_rank * cp + mesh.cp_rank, "dp_shard": mesh.shard_rank * cp + mesh.cp_rank,
+                 "dp_replicate": mesh.replicate_rank, "cp": mesh.cp_rank,
                  "dp_cp": mesh.dp_rank * cp + mesh.cp_rank}
         seen = {}
         for axis in AXES:
@@ -421,11 +423,13 @@ def test_axis_rank_lists_partition_and_coordinates(world):
         coords = {}
         for rank in range(world):
             tp_r, cp_r, dp_r, pp_r = rank % tp, (rank // tp) % cp, (rank // (tp * cp)) % dp, rank // (tp * cp * dp)
-            coords[rank] = {"tp": tp_r, "pp": pp_r, "dp": dp_r, "ep": dp_r % ep, "edp": dp_r // ep,
-                            "dp_shard": dp_r % shard, "dp_replicate": dp_r // shard, "cp": cp_r,
+            coords[rank] = {"tp": tp_r, "pp": pp_r, "dp": dp_r, "ep": dp_r % ep, "edp": dp_r // ep * cp + cp_r,
+                            "dp_shard": dp_r % shard * cp + cp_r, "dp_replicate": dp_r // shard, "cp": cp_r,
                             "dp_cp": dp_r * cp + cp_r}
-        varies = {"tp": {"tp"}, "pp": {"pp"}, "dp": {"edp", "ep"}, "ep": {"ep"}, "edp": {"edp"},
-                  "dp_shard": {"dp_shard"}, "dp_replicate": {"dp_replicate"}, "cp": {"cp"}, "dp_cp": {"edp", "ep", "cp"}}
+        # edp and dp_shard count (dp coordinate, cp coordinate) with cp fastest: they vary with cp too
+        varies = {"tp": {"tp"}, "pp": {"pp"}, "dp": {"edp", "ep"}, "ep": {"ep"}, "edp": {"edp", "cp"},
+                  "dp_shard": {"dp_shard", "cp"}, "dp_replicate": {"dp_replicate"}, "cp": {"cp", "edp", "dp_shard"},
+                  "dp_cp": {"edp", "ep", "cp"}}
         sizes = _axis_sizes(dp, tp, pp, ep, shard, cp)
         for axis in AXES:
             lists = axis_rank_lists(axis, dp=dp, tp=tp, pp=pp, ep=ep, dp_shard=shard, cp=cp)

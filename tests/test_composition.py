@@ -2,11 +2,11 @@
 
 A layout picks one value per option: the data-parallel strategy, tp, sequence parallelism, pp and
 its schedule, mixture of experts (dense, MoE, MoE over ep=2), HSDP (dp_shard = dp / 2), the
-precision, activation checkpointing and context parallelism (cp 2 or 4, ring or Ulysses), on 4 or 8
+precision, activation checkpointing, context parallelism (cp 2 or 4, ring or Ulysses) and the model
+(minipar's GPT, or its Llama-style form: rotary positions, RMSNorm, SwiGLU), on 4 or 8
 ranks. `all_layouts` lists every combination that
 can exist (the mesh must fit the world, ep and dp_shard must divide dp, sequence parallelism needs
-tp > 1, a schedule needs pp > 1, HSDP and a mixed-precision policy need a sharded strategy, context
-parallelism does not meet MoE or HSDP yet); each is
+tp > 1, a schedule needs pp > 1, HSDP and a mixed-precision policy need a sharded strategy); each is
 trained three AdamW steps with clipping that fires, and its losses, clipped gradient norms and final
 parameters are compared with the single-process model's on the global batch.
 
@@ -38,6 +38,7 @@ import torch.nn as nn
 from minipar import DataParallelConfig, Mesh, MixedPrecision, PipelineConfig, ShardedModule, TensorParallelConfig
 from minipar.models import GPT, GPTConfig, MoEGPT, MoEGPTConfig, gpt_loss
 
+from minipar.ring_attention import zigzag_positions
 from minipar.sharded import resolve_configs
 
 from helpers import LR, WD, train_rows
@@ -59,6 +60,7 @@ OPTIONS = {
     "recompute": (False, True),
     "cp": (1, 2, 4),
     "cp_form": (None, "ring", "ulysses"),
+    "model": ("gpt", "llama"),
 }
 
 
@@ -69,7 +71,6 @@ def valid(c: dict) -> bool:
     dp = c["world"] // (c["tp"] * c["pp"] * c["cp"])
     return ((c["schedule"] is None) == (c["pp"] == 1)     # a schedule exists only with stages
             and (c["cp_form"] is None) == (c["cp"] == 1)  # a context-parallel form only with cp ranks
-            and (c["cp"] == 1 or (c["moe"] == "dense" and not c["hsdp"]))  # cp x (MoE, HSDP): not yet
             and (not c["sp"] or c["tp"] > 1)              # sequence parallelism splits over tp
             and (c["moe"] != "moe_ep2" or dp % 2 == 0)    # ep = 2 splits dp
             and (not c["hsdp"] or (dp % 2 == 0 and c["strategy"] != "ddp"))  # DDP shards nothing
@@ -107,6 +108,7 @@ def _name(c: dict) -> str:
     parts += ["bf16"] if c["precision"] == "bf16" else []
     parts += ["recompute"] if c["recompute"] else []
     parts += [f"cp{c['cp']}{c['cp_form']}"] if c["cp"] > 1 else []
+    parts += ["llama"] if c["model"] == "llama" else []
     return "-".join(parts)
 
 
@@ -117,6 +119,8 @@ MATRIX = ALL if os.environ.get("HYPOTHESIS_PROFILE") == "long" else SAMPLE
 
 def _model_cfg(c: dict, dp: int, m: int) -> tuple[type, dict]:
     cfg = dict(vocab_size=16, block_size=8, n_layer=2, n_head=2, n_embd=8, tie_weights=True, dropout=0.0, seed=11)
+    if c["model"] == "llama":
+        cfg.update(norm="rmsnorm", mlp="swiglu", pos="rope")
     if c["cp"] > 1:  # Ulysses gives each cp rank heads / (tp * cp) of the heads
         cfg.update(n_head=max(2, c["tp"] * c["cp"]), n_embd=16)
     if c["moe"] == "dense":
@@ -160,7 +164,11 @@ def _reference(c: dict, data: torch.Tensor, m: int):
     _, dp = _sizes(c)
     build, cfg = _model_cfg(c, dp, m)
     if build is MoEGPT:  # route each rank's (micro-batch's, sequence slice's) tokens as one group
-        model = MoEGPT(MoEGPTConfig(**cfg, route_groups=dp * m, route_seq_chunks=c["tp"] if c["sp"] else 1))
+        seq_chunks = (c["tp"] if c["sp"] else 1) * c["cp"]
+        order = None  # ring cp ranks hold zig-zag chunks: route the sequence in the order they hold it
+        if c["cp_form"] == "ring":
+            order = tuple(torch.cat([zigzag_positions(data.shape[-1] - 1, c["cp"], r) for r in range(c["cp"])]).tolist())
+        model = MoEGPT(MoEGPTConfig(**cfg, route_groups=dp * m, route_seq_chunks=seq_chunks, route_seq_order=order))
     else:
         model = GPT(GPTConfig(**cfg))
     initial = {k: v.clone() for k, v in model.state_dict().items()}
