@@ -6,7 +6,8 @@ Two ways to attend when each rank holds only T/C of the tokens (shapes (B, H, T/
   ring r -> r+1 (C-1 hops), each rank attending to the block in hand while the next one is in flight.
   The partial results of the blocks merge exactly by their log-sum-exps (below). The backward recomputes
   the scores block by block from the saved output and lse (flash-attention style) and passes K/V around
-  again, each block's dK/dV accumulator travelling with it and finally returning to its owner.
+  again, each block's dK/dV accumulator travelling with it and finally returning to its owner; a rank
+  computes its part of a block's dK/dV while that block's accumulator is still in flight to it.
 * **Ulysses** (`ulysses_attention`). An all-to-all turns "my tokens, all heads" into "all tokens, my
   H/C heads" (`minipar.regions.seq_to_heads`); each rank runs ordinary causal attention on its heads and
   a fourth all-to-all turns the output back. Needs H divisible by C.
@@ -211,32 +212,41 @@ class _RingAttention(torch.autograd.Function):
         delta = (do * out.float()).sum(-1)  # Δ = rowsum(dO ∘ O), one per query row
         dq = torch.zeros_like(qf)
         kv = torch.stack([k, v])
-        dkv = torch.zeros_like(kv)  # the accumulator of the block in hand, travelling with it
+        # The dK/dV accumulator of a block travels with it. The one for the block in hand arrives
+        # while this rank computes its own contribution to that block; only then is it waited for,
+        # added, and sent on (so its transfer overlaps a compute too). After C hops it is home.
+        incoming = None  # (works, buffer): the accumulator of the block in hand, in flight
         for step in range(C):
             src = (r - step) % C
-            works = []
+            kv_works = []
             if step < C - 1:  # K/V do not change: send them on before computing (overlap)
                 kv_next = torch.empty_like(kv)
-                works += _ring_pass(comm, group, kv, kv_next, "cp_kv")
+                kv_works = _ring_pass(comm, group, kv, kv_next, "cp_kv")
             k_pos = _positions(seq_len, C, src, q.device)
-            dkv_acc = dkv.float()
+            mine = torch.zeros_like(kv, dtype=torch.float32)  # this rank's part of the block's dK/dV
             for qs, ks, masked in _visible(q_chunks, _chunks(seq_len, C, src)):
                 dq_b, dk_b, dv_b = _attend_backward(qf[:, :, qs], kv[0][:, :, ks].float(), kv[1][:, :, ks].float(),
                                                     do[:, :, qs], lse[:, :, qs], delta[:, :, qs],
                                                     q_pos[qs], k_pos[ks], scale, masked)
                 dq[:, :, qs] += dq_b
-                dkv_acc[0][:, :, ks] += dk_b
-                dkv_acc[1][:, :, ks] += dv_b
-            dkv = dkv_acc.to(kv.dtype)
-            if C > 1:  # the accumulator follows its block; after the C-th hop it is home (src's own)
-                dkv_next = torch.empty_like(dkv)
-                works += _ring_pass(comm, group, dkv, dkv_next, "cp_kv_grad")
-            for w in works:
-                w.wait()
+                mine[0][:, :, ks] += dk_b
+                mine[1][:, :, ks] += dv_b
+            if incoming is not None:
+                for w in incoming[0]:
+                    w.wait()
+                mine += incoming[1].float()
+            dkv = mine.to(kv.dtype)
             if C > 1:
-                dkv = dkv_next
+                dkv_next = torch.empty_like(dkv)
+                incoming = (_ring_pass(comm, group, dkv, dkv_next, "cp_kv_grad"), dkv_next)
+            for w in kv_works:
+                w.wait()
             if step < C - 1:
                 kv = kv_next
+        if incoming is not None:  # the C-th hop: our own block's accumulator, home
+            for w in incoming[0]:
+                w.wait()
+            dkv = incoming[1]
         return dq.to(q.dtype), dkv[0], dkv[1], None, None, None, None
 
 

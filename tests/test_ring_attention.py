@@ -381,8 +381,9 @@ def _kv_overlap_violations(log: list[tuple], cp: int, tag: str = "cp_kv") -> lis
 
 def _accumulator_violations(log: list[tuple], cp: int, tag: str = "cp_kv_grad") -> list[str]:
     """The backward's dK/dV accumulator, C hops: at hop i one send and one recv, each waited once; the send
-    launched after the last compute of hop i (it carries that block's contribution), and the accumulator
-    received at hop i waited before it is sent on at hop i+1."""
+    launched after the last compute of hop i (it carries that block's contribution); the accumulator
+    received at hop i waited only after the compute of hop i+1 (its transfer overlaps that compute) and
+    before it is sent on at hop i+1."""
     at = lambda kind, hop, op=None: [j for j, e in enumerate(log) if e[:3] == (kind, tag, hop)  # noqa: E731
                                      and (op is None or e[3] == op)]
     bad = [f"accumulator hop {h}: {kind}es are not one send and one recv" for h in range(cp)
@@ -395,6 +396,9 @@ def _accumulator_violations(log: list[tuple], cp: int, tag: str = "cp_kv_grad") 
             bad.append(f"accumulator hop {h}: sent before its block's compute ended")
         if h + 1 < cp and max(at("wait", h, "recv")) > min(at("launch", h + 1, "send")):
             bad.append(f"accumulator hop {h}: sent on before it was received")
+        nxt = [j for j, e in enumerate(log) if e[0] == "compute" and e[2] == h + 1]
+        if nxt and min(at("wait", h)) < max(nxt):
+            bad.append(f"accumulator hop {h}: waited before the compute of hop {h + 1} ended (exposed)")
     if any(e[0] == "launch" and e[1] == tag and e[2] >= cp for e in log):
         bad.append(f"accumulator sent more than {cp} times")
     return bad
@@ -476,10 +480,10 @@ def test_ring_attention_overlaps_each_hop_with_compute(pools, cp):
     received block is computed on. Exactly C-1 K/V hops each way, every handle waited once.
 
     The backward's dK/dV accumulator (C hops, the last one home) is the output of hop i's compute, so it
-    can only leave after it; checked: it does, and the one received is waited before it is sent on.
-    Not required, and not done: its transfer is launched after compute i and waited before compute i+1,
-    so nothing hides it. This is the order calls are issued; whether bytes move meanwhile is the backend's
-    business (gloo runs isend/irecv on its own threads).
+    can only leave after it; checked: it does, it is in flight during the compute of hop i+1 (the rank
+    computes its part of that block's dK/dV first, then waits and adds), and it is waited before it is
+    sent on. This is the order calls are issued; whether bytes move meanwhile is the backend's business
+    (gloo runs isend/irecv on its own threads).
     """
     for r, (fwd, bwd) in enumerate(pools.run(cp, _rank_ring_event_logs, 4 * cp, False, timeout=TIMEOUT)):
         assert _kv_overlap_violations(fwd, cp) == [], (r, "forward", fwd)
@@ -491,13 +495,17 @@ def test_ring_attention_overlaps_each_hop_with_compute(pools, cp):
 
 @pytest.mark.parametrize("cp", [2, 4])
 def test_overlap_check_rejects_a_serialised_ring(pools, cp):
-    """The same run with each hop waited as soon as it is launched (before the compute): the check above
-    rejects every K/V hop of every rank, forward and backward, so it can fail."""
+    """The same run with each hop waited as soon as it is launched (before the compute): the checks above
+    reject every K/V hop of every rank, forward and backward, and every accumulator hop but the last
+    (home) as exposed, so they can fail."""
     for r, (fwd, bwd) in enumerate(pools.run(cp, _rank_ring_event_logs, 4 * cp, True, timeout=TIMEOUT)):
         for phase, log in (("forward", fwd), ("backward", bwd)):
             bad = _kv_overlap_violations(log, cp)
             assert bad == [f"hop {h}: transfer waited before the compute on the block in hand ended (serialised)"
                            for h in range(cp - 1)], (r, phase, bad)
+        bad = _accumulator_violations(bwd, cp)
+        assert bad == [f"accumulator hop {h}: waited before the compute of hop {h + 1} ended (exposed)"
+                       for h in range(cp - 1)], (r, bad)
 
 
 _GOOD = [  # C = 2, overlapped: launch, compute, wait, compute
