@@ -15,11 +15,11 @@ from .comm import AxisGroup, Comm, CommStats
 from .comm_errors import CollectiveError
 from .mesh import Mesh, init, shutdown
 from .precision import MixedPrecision
-from .pipeline import PipelineConfig
+from .pipeline import PipelineConfig, StageSpec
 from .sharded import ShardedModule
 from .strategy import STRATEGIES, DataParallelConfig
 from .tensor_parallel import TensorParallelConfig
 
 __all__ = ["init", "shutdown", "Mesh", "ShardedModule", "STRATEGIES", "DataParallelConfig", "TensorParallelConfig",
-           "PipelineConfig", "MixedPrecision", "Comm", "CommStats", "CollectiveError", "AxisGroup", "regions", "checkpoint", "recompute"]
+           "PipelineConfig", "StageSpec", "MixedPrecision", "Comm", "CommStats", "CollectiveError", "AxisGroup", "regions", "checkpoint", "recompute"]
 __version__ = "0.1.0"

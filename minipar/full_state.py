@@ -2,8 +2,8 @@
 
 The one place that knows how a rank's local tensor relates to the tensor of
 the same model trained in one process: its name (a pipeline stage's
-``layers.k`` is the model's ``layers.(offset + k)``; the last stage's copy of
-a tied embedding is ``wte.weight``) and its cut (split over tp along its
+block ``layers.k`` is the model's ``layers.(offset + k)``; the last stage's copy of
+a tied embedding is the embedding's weight, ``wte.weight``) and its cut (split over tp along its
 tensor-parallel dim, then, an expert's, over ep along dim 0).
 `ShardedModule.full_state_dict` gathers along the cuts (`full_tensors`);
 checkpoints store the cuts with each piece and apply them on load
@@ -28,22 +28,20 @@ def global_names(model) -> tuple[dict[int, str], dict[str, str]]:
     name, the other an alias.
     """
     module, pp = model.module, model.mesh.pp > 1
+    embedding, head = module.spec.tied if pp and module.tied else (None, None)
     names: dict[int, str] = {}
     aliases: dict[str, str] = {}
     for key, t in module.state_dict(keep_vars=True).items():
-        name = key
-        if pp and key.startswith("layers."):
-            _, idx, rest = key.split(".", 2)
-            name = f"layers.{int(idx) + module.layer_offset}.{rest}"
-        if pp and module.tied and key == "lm_head.weight":
-            name = "wte.weight"
-            aliases["lm_head.weight"] = "wte.weight"
+        name = module.global_name(key) if pp else key
+        if key == head:  # the last stage's copy of the tied weight
+            name = embedding
+            aliases[head] = embedding
         if id(t) in names:
             aliases[name] = names[id(t)]
         else:
             names[id(t)] = name
-    if pp and module.tied and module.first:
-        aliases["lm_head.weight"] = "wte.weight"
+    if head is not None and module.first:
+        aliases[head] = embedding
     return names, aliases
 
 

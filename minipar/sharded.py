@@ -37,7 +37,8 @@ from .join import Join, scaled
 from .mesh import Mesh
 from .moe import check_moe_config, moe_layers, shard_experts
 from .recompute import check_units, checkpoint_modules, select_checkpointed
-from .pipeline import GPTStage, default_boundaries, resolve_boundaries
+from .pipeline import Stage, default_boundaries, resolve_boundaries, spec_for
+from .pipeline.spec import find
 from .pipeline.step import Pipeline, PipelineConfig
 from .precision import FP32
 from .strategy import DataParallelConfig, Strategy
@@ -54,6 +55,7 @@ _FLAT_OPTIONS = {
     "dropout_seed": ("tensor_parallel", "dropout_seed"),
     "schedule": ("pipeline", "schedule"), "microbatches": ("pipeline", "microbatches"),
     "pipeline_boundaries": ("pipeline", "boundaries"), "record_timeline": ("pipeline", "record_timeline"),
+    "stage_spec": ("pipeline", "stage_spec"),
 }
 _CONFIGS = {"strategy": DataParallelConfig, "tensor_parallel": TensorParallelConfig, "pipeline": PipelineConfig}
 
@@ -111,7 +113,7 @@ class ShardedModule(nn.Module):
             bucket_cap_mb, mixed_precision, cpu_offload, wrap_policy, reshard_after_forward, unit_check
             (strategy);
             tp_plan, sequence_parallel, dropout_seed (tensor_parallel); schedule, microbatches,
-            pipeline_boundaries, record_timeline (pipeline).
+            pipeline_boundaries, record_timeline, stage_spec (pipeline).
 
     Raises ValueError, on every rank and before any collective, for an option a config refuses, a
     layout that cannot exist, or a module without parameters; and, after one small collective,
@@ -135,14 +137,16 @@ class ShardedModule(nn.Module):
         if reshard_after_forward is None:  # a pipeline runs each unit m times per step: keep it gathered
             reshard_after_forward = mesh.pp == 1
         runner = None
-        if mesh.pp > 1:
-            if not hasattr(module, "config") or not hasattr(module, "layers"):
-                raise ValueError(f"pipeline stages are cut from a minipar.models.GPT; got {type(module).__name__}")
-            tp_vocab = module.wte.weight.shape[0] // mesh.tp
-            runner = Pipeline(mesh, pp_config, module.config.n_embd, (tp_vocab, module.config.n_embd),
+        if mesh.pp > 1:  # a model we cannot cut, or bad cuts: ValueError before any collective
+            spec = pp_config.stage_spec or spec_for(module)
+            spec.check(module)
+            n_blocks = len(find(module, spec.blocks))
+            tied = find(module, spec.tied[0]) if spec.tied_in(module) else None
+            tied_shape = (tied.shape[0] // mesh.tp,) + tuple(tied.shape[1:]) if tied is not None else None
+            runner = Pipeline(mesh, pp_config, spec.hidden_size, tied_shape,
                               seq_divisor=mesh.tp if sequence_parallel else 1)
-            boundaries = default_boundaries(module, mesh.pp) if pp_config.boundaries is None else \
-                resolve_boundaries(pp_config.boundaries, module.config.n_layer, mesh.pp)  # bad cuts -> ValueError
+            boundaries = default_boundaries(module, mesh.pp, spec) if pp_config.boundaries is None else \
+                resolve_boundaries(pp_config.boundaries, n_blocks, mesh.pp)
         if mesh.hsdp and not dp_config.sharded:
             raise ValueError(f"the mesh has dp_shard={mesh.dp_shard} (HSDP) but DDP shards nothing; use "
                              "strategy='zero1', 'zero2' or 'zero3', or build the mesh without dp_shard")
@@ -190,7 +194,7 @@ class ShardedModule(nn.Module):
         self.strategy_name = dp_config.strategy
         self.pipeline = runner
         if mesh.pp > 1:  # keep only this stage's pieces of the model
-            whole, module = module, GPTStage(module, mesh.pp_rank, mesh.pp, boundaries)
+            whole, module = module, Stage(module, mesh.pp_rank, mesh.pp, boundaries, spec)
             if plan is not None:  # the plan's modules that this stage holds, under the stage's names
                 plan = stage_plan(plan, whole, module)
         self.module = module.to(mesh.device)
@@ -252,7 +256,7 @@ class ShardedModule(nn.Module):
                 loss_fn = scaled(loss_fn, factor)
         if self.pipeline is not None:
             return self.pipeline.step(self.module, self.strategy, inputs, targets, loss_fn)
-        loss = loss_fn(self(inputs), targets)
+        loss = loss_fn(logits_of(self(inputs)), targets)
         scaler = self.strategy.scaler
         (loss * scaler.scale if scaler.enabled else loss).backward()
         global_loss = loss.detach().float().reshape(1).clone()
@@ -352,13 +356,20 @@ class ShardedModule(nn.Module):
         return full_tensors(self, lambda t: full.get(id(t), t))
 
 
+def logits_of(output: Any) -> Any:
+    """What ``loss_fn`` receives: the model's output, or the logits a Hugging Face output holds (a
+    pipeline's last stage hands over logits too)."""
+    logits = getattr(output, "logits", None)
+    return logits if torch.is_tensor(logits) else output
+
+
 def stage_plan(plan: dict, whole: nn.Module, stage: nn.Module) -> dict:
     """``plan`` (patterns over ``whole``'s module names) as concrete names of the modules ``stage``
-    holds, under the stage's names (its ``layers.k`` is the model's ``layers.(offset + k)``)."""
-    in_stage = {id(m): n for n, m in stage.named_modules() if n}
+    holds, under the stage's names (its block ``k`` is the model's block ``offset + k``)."""
+    names = [(n, stage.global_name(n)) for n, _ in stage.named_modules() if n]
     out = {}
     for pattern, style in plan.items():
-        for n, m in whole.named_modules():
-            if n and id(m) in in_stage and fnmatch.fnmatchcase(n, pattern):
-                out[in_stage[id(m)]] = style
+        for n, global_name in names:
+            if fnmatch.fnmatchcase(global_name, pattern):
+                out[n] = style
     return out

@@ -1,4 +1,8 @@
-"""Cutting the GPT into pipeline stages: embedding + first blocks, ..., last blocks + head.
+"""Cutting a model into pipeline stages: embedding + first blocks, ..., last blocks + head.
+
+Any block-sequential model can be cut (`minipar.pipeline.spec`: minipar's GPT, Hugging Face
+GPT-2 and Llama-family models are recognised; others give a `StageSpec`). Below, "the GPT"
+stands for any of them: wte/wpe are its embedding modules, ln_f/lm_head its head's.
 
 Every rank builds the whole single-process model from the same seed and keeps
 its stage's pieces, so stage s holds exactly the weights the reference holds
@@ -34,12 +38,14 @@ b_0..b_p, e.g. ``[0, 1, 4]`` (both: 1 block on stage 0, 3 on stage 1).
 
 from __future__ import annotations
 
+import copy
 from typing import Sequence
 
 import torch
 import torch.nn as nn
 
 from ..mesh import Mesh
+from .spec import StageSpec, find, gpt_spec, hidden_of, spec_for
 
 
 def balanced_boundaries(n_layer: int, stages: int, block_params: Sequence[int] | None = None,
@@ -91,19 +97,20 @@ def balanced_boundaries(n_layer: int, stages: int, block_params: Sequence[int] |
     return [sum(counts[:s]) for s in range(stages + 1)]
 
 
-def stage_params(gpt: nn.Module) -> tuple[list[int], int, int]:
-    """(each block's parameters, the embedding's E, the head's H) of a GPT, as `balanced_boundaries`
+def stage_params(model: nn.Module, spec: StageSpec | None = None) -> tuple[list[int], int, int]:
+    """(each block's parameters, the embedding's E, the head's H) of a model, as `balanced_boundaries`
     takes them; a tied head's weight is counted once, in E."""
-    embedding = list(gpt.wte.parameters()) + (list(gpt.wpe.parameters()) if gpt.wpe is not None else [])
+    spec = spec or spec_for(model)
+    embedding = [p for path in spec.first for p in find(model, path).parameters()]
     seen = {id(p) for p in embedding}
-    head = [p for p in list(gpt.ln_f.parameters()) + list(gpt.lm_head.parameters()) if id(p) not in seen]
-    return ([sum(p.numel() for p in block.parameters()) for block in gpt.layers],
-            sum(p.numel() for p in embedding), sum(p.numel() for p in head))
+    head = {id(p): p for path in spec.last for p in find(model, path).parameters() if id(p) not in seen}
+    return ([sum(p.numel() for p in block.parameters()) for block in find(model, spec.blocks)],
+            sum(p.numel() for p in {id(p): p for p in embedding}.values()), sum(p.numel() for p in head.values()))
 
 
-def default_boundaries(gpt: nn.Module, stages: int) -> list[int]:
-    """The cut points that balance ``gpt``'s stages by parameter count (see the module docstring)."""
-    blocks, first, last = stage_params(gpt)
+def default_boundaries(model: nn.Module, stages: int, spec: StageSpec | None = None) -> list[int]:
+    """The cut points that balance ``model``'s stages by parameter count (see the module docstring)."""
+    blocks, first, last = stage_params(model, spec)
     return balanced_boundaries(len(blocks), stages, blocks, first, last)
 
 
@@ -129,50 +136,107 @@ def resolve_boundaries(spec: Sequence[int], n_layer: int, stages: int) -> list[i
                      f"{stages + 1} cut points; {example}")
 
 
-class GPTStage(nn.Module):
-    """One pipeline stage of ``minipar.models.GPT``. Input: token ids (first stage) or the previous
-    stage's hidden states (batch, seq, n_embd); output: hidden states, or logits on the last stage.
+def _shallow(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` with its own tables of children, parameters and buffers (their values shared)."""
+    copy_ = copy.copy(module)
+    copy_._modules, copy_._parameters, copy_._buffers = \
+        dict(module._modules), dict(module._parameters), dict(module._buffers)
+    return copy_
+
+
+def _pruned(model: nn.Module, changes: dict[str, nn.Module | None]) -> nn.Module:
+    """A copy of ``model``'s module tree with the module at each path of ``changes`` replaced (None:
+    dropped). Only the modules along those paths are copied; the rest (blocks, norms) are shared, and
+    ``model`` itself is left as it was."""
+    root = _shallow(model)
+    fresh = {id(root)}
+    for path, new in changes.items():
+        *steps, leaf = path.split(".")
+        parent = root
+        for name in steps:
+            child = parent._modules[name]
+            if id(child) not in fresh:
+                child = _shallow(child)
+                fresh.add(id(child))
+                parent._modules[name] = child
+            parent = child
+        parent._modules[leaf] = new
+    return root
+
+
+class Stage(nn.Module):
+    """One pipeline stage of a block-sequential model (`StageSpec`). Input: token ids (first stage) or
+    the previous stage's hidden states (batch, seq, hidden); output: hidden states, or logits on the
+    last stage.
+
+    The stage has the model's attribute tree and state-dict names (``transformer.h.k`` for a
+    Hugging Face GPT-2), with the blocks it does not run left out of the block list (its
+    ``blocks.k`` is the model's ``blocks.(layer_offset + k)``) and the embedding's and the head's
+    modules only where they run. A tied embedding/head weight is two Parameters across stages: the
+    first stage's embedding and the last stage's own copy for the head (`sync_tied_grads`).
 
     boundaries: None for the parameter-balanced default (`default_boundaries`), else block counts
     or cut points (`resolve_boundaries`). ``self.boundaries`` holds the cut points used.
     """
 
-    def __init__(self, gpt: nn.Module, stage: int, stages: int, boundaries: Sequence[int] | None = None) -> None:
+    def __init__(self, model: nn.Module, stage: int, stages: int, boundaries: Sequence[int] | None = None,
+                 spec: StageSpec | None = None) -> None:
         super().__init__()
-        cfg = gpt.config
-        bounds = default_boundaries(gpt, stages) if boundaries is None else \
-            resolve_boundaries(boundaries, cfg.n_layer, stages)
-        self.boundaries = bounds
+        spec = spec or spec_for(model)
+        spec.check(model)
+        blocks = find(model, spec.blocks)
+        bounds = default_boundaries(model, stages, spec) if boundaries is None else \
+            resolve_boundaries(boundaries, len(blocks), stages)
+        self.spec, self.boundaries = spec, bounds
         self.first, self.last = stage == 0, stage == stages - 1
-        self.layer_offset = bounds[stage]  # this stage's layers.k is the model's layers.(offset + k)
-        self.tied = cfg.tie_weights and stages > 1
-        if self.first:
-            self.wte, self.wpe, self.drop = gpt.wte, gpt.wpe, gpt.drop
-        self.layers = nn.ModuleList(gpt.layers[bounds[stage]:bounds[stage + 1]])
-        if self.last:
-            self.ln_f = gpt.ln_f
-            self.lm_head = gpt.lm_head
-            if self.tied:  # the last stage's own copy of the shared weight
-                self.lm_head.weight = nn.Parameter(gpt.wte.weight.detach().clone())
+        self.layer_offset = bounds[stage]  # this stage's block k is the model's block (offset + k)
+        self.tied = spec.tied_in(model) and stages > 1
+        changes: dict[str, nn.Module | None] = {spec.blocks: nn.ModuleList(blocks[bounds[stage]:bounds[stage + 1]])}
+        changes.update({path: None for path in (() if self.first else spec.first) + (() if self.last else spec.last)})
+        if self.tied and self.last and not self.first:  # the head module gets its own copy of the weight
+            head_path, weight = spec.tied[1].rsplit(".", 1)
+            changes[head_path] = _shallow(find(model, head_path))
+        root = _pruned(model, changes)
+        for name, child in root._modules.items():
+            self.add_module(name, child)
+        for name, p in root._parameters.items():
+            self.register_parameter(name, p)
+        if self.tied and self.last and not self.first:
+            setattr(find(self, head_path), weight, nn.Parameter(find(model, spec.tied[1]).detach().clone()))
+
+    def global_name(self, name: str) -> str:
+        """The whole model's name for this stage's module, parameter or buffer ``name``."""
+        blocks = self.spec.blocks + "."
+        if not name.startswith(blocks):
+            return name
+        idx, _, rest = name[len(blocks):].partition(".")
+        return f"{blocks}{int(idx) + self.layer_offset}" + (f".{rest}" if rest else "")
+
+    def stage_blocks(self) -> nn.ModuleList:
+        """The blocks this stage runs, in order."""
+        return find(self, self.spec.blocks)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.first:
-            h = self.wte(x)
-            if self.wpe is not None:
-                h = h + self.wpe(torch.arange(x.shape[1], device=x.device))
-            x = self.drop(h)
-        for block in self.layers:
-            x = block(x)
-        return self.lm_head(self.ln_f(x)) if self.last else x
+        spec = self.spec
+        h = spec.embed(self, x) if self.first else x
+        kwargs = spec.block_kwargs(self, h) if spec.block_kwargs is not None else {}
+        for block in self.stage_blocks():
+            h = hidden_of(block(h, **kwargs))
+        return spec.head(self, h) if self.last else h
 
     def tied_weight(self) -> nn.Parameter | None:
         if not self.tied:
             return None
-        return self.wte.weight if self.first else (self.lm_head.weight if self.last else None)
+        return find(self, self.spec.tied[0]) if self.first else (find(self, self.spec.tied[1]) if self.last else None)
+
+
+def GPTStage(gpt: nn.Module, stage: int, stages: int, boundaries: Sequence[int] | None = None) -> Stage:
+    """A `Stage` of minipar's GPT (kept for the earlier name)."""
+    return Stage(gpt, stage, stages, boundaries, spec=gpt_spec(gpt))
 
 
 @torch.no_grad()
-def sync_tied_grads(stage: GPTStage, mesh: Mesh, shape: torch.Size, already_summed: torch.Tensor | None = None) -> None:
+def sync_tied_grads(stage: Stage, mesh: Mesh, shape: torch.Size, already_summed: torch.Tensor | None = None) -> None:
     """Sum the tied weight's gradient over the first and last stage (middle stages add zeros).
 
     ``already_summed``: what ``w.grad`` held before this step (an earlier step's sum, identical on both

@@ -28,6 +28,7 @@ from ..moe import moe_layers
 from ..strategy import Strategy
 from .executor import run_schedule
 from .schedule import SCHEDULES
+from .spec import StageSpec
 from .stage import sync_tied_grads
 
 
@@ -36,14 +37,16 @@ class PipelineConfig:
     """How `ShardedModule` runs pp > 1 stages (unused at pp = 1).
 
     schedule: "1f1b" or "gpipe" (`SCHEDULES`); microbatches: per step (the batch must divide by
-    it); boundaries: where to cut the GPT (block counts or cut points; default: balanced by
-    parameters); record_timeline: keep each stage's (action, start, end) of the last step.
+    it); boundaries: where to cut the model (block counts or cut points; default: balanced by
+    parameters); record_timeline: keep each stage's (action, start, end) of the last step;
+    stage_spec: how to cut a model that `minipar.pipeline.spec_for` does not recognise.
     Raises ValueError for an unknown schedule or a micro-batch count that is not a positive integer."""
 
     schedule: str = "1f1b"
     microbatches: int = 1
     boundaries: Sequence[int] | None = None
     record_timeline: bool = False
+    stage_spec: StageSpec | None = None
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:

@@ -1,0 +1,140 @@
+"""What a pipeline needs to know of a model: where its blocks are, and what runs before and after.
+
+Pipeline stages can be cut from any *block-sequential* model: an embedding that turns token ids
+into hidden states, a list of blocks each taking and returning hidden states (batch, seq,
+hidden), and a head that turns the last hidden states into logits. A `StageSpec` says where each
+part lives (dotted module paths) and how to call it:
+
+    blocks        the nn.ModuleList of blocks ("layers", "transformer.h", "model.layers")
+    first, last   the modules only the embedding (first stage) or the head (last stage) uses; the
+                  other stages drop them
+    embed(s, ids) -> hidden, run on the first stage; ``s`` is the stage, which has the model's
+                  attribute tree (``s.transformer.wte`` where the model has ``model.transformer.wte``)
+    head(s, h)    -> logits, run on the last stage
+    block_kwargs(s, h) -> what every block takes besides the hidden states (positions, rotary
+                  cos/sin), computed on each stage from the hidden states it holds; modules it
+                  uses (a rotary embedding: no parameters) stay on every stage
+    hidden_size   the width of what travels between stages
+    tied          (embedding weight, head weight) paths, when the model shares one Parameter
+
+`spec_for(model)` recognises minipar's GPT (and MoE GPT), Hugging Face GPT-2 (``transformer.wte /
+wpe / h / ln_f``, ``lm_head``) and Llama-family models (``model.embed_tokens / layers / norm /
+rotary_emb``, ``lm_head``: Llama, Mistral, Qwen2 and the like); any other model passes its own
+spec (``ShardedModule(..., pipeline=PipelineConfig(stage_spec=...))``).
+
+A Hugging Face block is called with the hidden states and keyword arguments only: no attention
+mask (its attention is then causal, as in training without padding), no cache; a block that
+returns a tuple gives its first element.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    blocks: str
+    first: tuple[str, ...]
+    last: tuple[str, ...]
+    embed: Callable[[Any, torch.Tensor], torch.Tensor]
+    head: Callable[[Any, torch.Tensor], torch.Tensor]
+    hidden_size: int
+    block_kwargs: Callable[[Any, torch.Tensor], dict] | None = None
+    tied: tuple[str, str] | None = None
+
+    def check(self, model: nn.Module) -> None:
+        """ValueError unless every path names a module of ``model`` and the blocks are an nn.ModuleList."""
+        for path in (self.blocks,) + self.first + self.last:
+            if not isinstance(find(model, path), nn.Module):
+                raise ValueError(f"stage spec: {type(model).__name__} has no module at {path!r}")
+        if not isinstance(find(model, self.blocks), nn.ModuleList):
+            raise ValueError(f"stage spec: {self.blocks!r} of {type(model).__name__} must be an nn.ModuleList of "
+                             f"blocks, not {type(find(model, self.blocks)).__name__}")
+
+    def tied_in(self, model: nn.Module) -> bool:
+        """Whether ``model`` really shares one Parameter between the embedding and the head."""
+        return self.tied is not None and find(model, self.tied[0]) is find(model, self.tied[1])
+
+
+def find(root: Any, path: str) -> Any:
+    """``root.a.b.c`` for path "a.b.c" (None when a step is missing)."""
+    for name in path.split("."):
+        root = getattr(root, name, None)
+        if root is None:
+            return None
+    return root
+
+
+def hidden_of(out: Any) -> torch.Tensor:
+    """A block's hidden states: the output, or its first element when the block returns a tuple."""
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _positions(h: torch.Tensor) -> torch.Tensor:
+    return torch.arange(h.shape[1], device=h.device)
+
+
+# -- minipar's GPT ----------------------------------------------------------------------------------
+
+def _gpt_embed(s, ids):
+    h = s.wte(ids)
+    if s.wpe is not None:  # learned positions; pos="rope" rotates q and k inside attention instead
+        h = h + s.wpe(_positions(ids))
+    return s.drop(h)
+
+
+def gpt_spec(model: nn.Module) -> StageSpec:
+    return StageSpec(blocks="layers", first=("wte", "drop") + (("wpe",) if model.wpe is not None else ()),
+                     last=("ln_f", "lm_head"), embed=_gpt_embed, head=lambda s, h: s.lm_head(s.ln_f(h)),
+                     hidden_size=model.config.n_embd, tied=("wte.weight", "lm_head.weight"))
+
+
+# -- Hugging Face GPT-2 -----------------------------------------------------------------------------
+
+def _gpt2_embed(s, ids):
+    t = s.transformer
+    return t.drop(t.wte(ids) + t.wpe(_positions(ids)))
+
+
+def hf_gpt2_spec(model: nn.Module) -> StageSpec:
+    return StageSpec(blocks="transformer.h", first=("transformer.wte", "transformer.wpe", "transformer.drop"),
+                     last=("transformer.ln_f", "lm_head"), embed=_gpt2_embed,
+                     head=lambda s, h: s.lm_head(s.transformer.ln_f(h)), hidden_size=model.config.n_embd,
+                     tied=("transformer.wte.weight", "lm_head.weight"))
+
+
+# -- Hugging Face Llama family ----------------------------------------------------------------------
+
+def _llama_kwargs(s, h):
+    position_ids = _positions(h)[None]
+    # the rotary module computes (cos, sin) for these positions; every decoder layer takes them
+    return {"position_ids": position_ids, "position_embeddings": s.model.rotary_emb(h, position_ids)}
+
+
+def hf_llama_spec(model: nn.Module) -> StageSpec:
+    return StageSpec(blocks="model.layers", first=("model.embed_tokens",), last=("model.norm", "lm_head"),
+                     embed=lambda s, ids: s.model.embed_tokens(ids), head=lambda s, h: s.lm_head(s.model.norm(h)),
+                     hidden_size=model.config.hidden_size, block_kwargs=_llama_kwargs,
+                     tied=("model.embed_tokens.weight", "lm_head.weight"))
+
+
+def spec_for(model: nn.Module) -> StageSpec:
+    """The built-in spec of a recognised model; ValueError saying how to give one otherwise."""
+    if isinstance(find(model, "layers"), nn.ModuleList) and all(
+            isinstance(find(model, n), nn.Module) for n in ("wte", "ln_f", "lm_head")) and hasattr(model, "config"):
+        return gpt_spec(model)
+    if all(isinstance(find(model, n), nn.Module) for n in ("transformer.wte", "transformer.wpe", "transformer.h",
+                                                           "transformer.ln_f", "lm_head")):
+        return hf_gpt2_spec(model)
+    if all(isinstance(find(model, n), nn.Module) for n in ("model.embed_tokens", "model.layers", "model.norm",
+                                                           "model.rotary_emb", "lm_head")):
+        return hf_llama_spec(model)
+    raise ValueError(f"pipeline stages cannot be cut from {type(model).__name__}: it is not minipar's GPT, a Hugging "
+                     "Face GPT-2 or a Llama-family model; describe it with minipar.pipeline.StageSpec(blocks=..., "
+                     "first=..., last=..., embed=..., head=..., hidden_size=...) and pass "
+                     "pipeline=PipelineConfig(stage_spec=...)")

@@ -1,0 +1,229 @@
+"""Pipelines of Hugging Face models (issue 15, point 1): stages cut from a real GPT-2 and a real
+Llama (built from small configs, never downloaded), proven equal to the same model trained in one
+process on the global batch: losses, clipped gradient norms and every parameter after three AdamW
+steps, under pp alone and composed with dp (each strategy) and tp (a plan over the Llama's names).
+
+Also: the stage keeps the model's own names (``full_state_dict`` loads into the original model), a
+tied embedding/head works across stages, a user's own `StageSpec` cuts a model no built-in spec
+knows, and a model that cannot be cut is refused before any collective with the fix.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers", reason="transformers is in the test extra: "
+                                   "pip install -e '.[test]' to run the Hugging Face pipeline tests")
+
+from minipar import Mesh, ShardedModule  # noqa: E402
+from minipar.pipeline import PipelineConfig, StageSpec, spec_for  # noqa: E402
+
+from helpers import EPS, LR, WD  # noqa: E402
+
+MAX_NORM = 0.05
+VOCAB, SEQ = 32, 8
+
+LLAMA_TP_PLAN = {"model.embed_tokens": "vocab", "model.layers.*.self_attn": "enter_region",
+                 "model.layers.*.self_attn.[qkv]_proj": "colwise_in_region",
+                 "model.layers.*.self_attn.o_proj": "rowwise", "model.layers.*.mlp": "enter_region",
+                 "model.layers.*.mlp.gate_proj": "colwise_in_region", "model.layers.*.mlp.up_proj": "colwise_in_region",
+                 "model.layers.*.mlp.down_proj": "rowwise", "lm_head": "colwise_gather"}
+
+
+def build(kind: str, tied: bool = True) -> nn.Module:
+    """A 4-block model from a small config; the same weights in every process (seeded)."""
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=16, n_layer=4, n_head=2,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=tied,
+                                      bos_token_id=0, eos_token_id=0)
+        return transformers.GPT2LMHeadModel(cfg)
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+                                   tie_word_embeddings=tied, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def _data(dp: int, m: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (3, 2 * dp * m, SEQ + 1), generator=torch.Generator().manual_seed(7))
+
+
+def _train(ctx, case: dict):
+    mesh = Mesh(**case["mesh"])
+    model = build(case["model"], case["tied"])
+    options = dict(strategy=case["strategy"], pipeline=PipelineConfig(schedule=case["schedule"],
+                                                                      microbatches=case["m"]),
+                   activation_checkpointing=case.get("recompute", False))
+    if mesh.tp > 1:
+        options["tp_plan"] = LLAMA_TP_PLAN
+    sharded = ShardedModule(model, mesh=mesh, **options)
+    opt = sharded.build_optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD, eps=EPS)
+    data, rows = _data(mesh.dp, case["m"]), 2 * case["m"]
+    losses, norms = [], []
+    for step in range(data.shape[0]):
+        x = data[step, mesh.dp_rank * rows:(mesh.dp_rank + 1) * rows]
+        losses.append(sharded.train_step(x[:, :-1], x[:, 1:], lm_loss).item())
+        norms.append(sharded.clip_grad_norm_(MAX_NORM).item())
+        opt.step()
+        opt.zero_grad()
+    state = {k: v.float().cpu() for k, v in sharded.full_state_dict().items()}
+    mesh.destroy()
+    return losses, norms, state
+
+
+def _reference(case: dict, world: int):
+    model = build(case["model"], case["tied"])
+    dp = world // (case["mesh"].get("pp", 1) * case["mesh"].get("tp", 1))
+    m = case["m"]
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, eps=EPS)
+    data = _data(dp, m)
+    losses, norms = [], []
+    for step in range(data.shape[0]):
+        x = data[step]
+        logits = model(x[:, :-1]).logits
+        # each rank's loss is the mean of its micro-batches' means; the global loss their mean
+        loss = torch.stack([lm_loss(lg, y) for lg, y in zip(logits.chunk(dp * m), x[:, 1:].chunk(dp * m))]).mean()
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, norms, model.state_dict()
+
+
+CASES = [
+    dict(model="gpt2", tied=True, mesh=dict(pp=2), strategy="ddp", schedule="1f1b", m=2),
+    dict(model="gpt2", tied=True, mesh=dict(pp=2, dp=2), strategy="zero3", schedule="1f1b", m=2),
+    dict(model="gpt2", tied=False, mesh=dict(pp=4), strategy="zero1", schedule="gpipe", m=4),
+    dict(model="llama", tied=True, mesh=dict(pp=2, dp=2), strategy="zero2", schedule="gpipe", m=2),
+    dict(model="llama", tied=False, mesh=dict(pp=2, dp=2), strategy="ddp", schedule="1f1b", m=3, recompute=True),
+    dict(model="llama", tied=False, mesh=dict(pp=2, tp=2), strategy="zero1", schedule="1f1b", m=2),
+]
+
+
+def _world(case: dict) -> int:
+    return case["mesh"].get("pp", 1) * case["mesh"].get("dp", 1) * case["mesh"].get("tp", 1)
+
+
+def _name(c: dict) -> str:
+    return "-".join([c["model"], "tied" if c["tied"] else "untied", c["strategy"], c["schedule"]]
+                    + [f"{k}{v}" for k, v in c["mesh"].items()] + (["recompute"] if c.get("recompute") else []))
+
+
+@pytest.mark.parametrize("case", CASES, ids=_name)
+def test_hf_model_pipeline_equals_single_process(pools, case):
+    world = _world(case)
+    ref_losses, ref_norms, ref_state = _reference(case, world)
+    assert min(ref_norms) > MAX_NORM  # clipping fires
+    for rank, (losses, norms, state) in enumerate(pools.run(world, _train, case)):
+        where = lambda s: f"rank {rank} of {case}: {s}"  # noqa: E731
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), msg=where)
+        torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), msg=where)
+        assert state.keys() == ref_state.keys(), where(f"{sorted(set(state) ^ set(ref_state))}")
+        for k, v in ref_state.items():
+            torch.testing.assert_close(state[k], v.float(), msg=lambda s: f"rank {rank} {k} of {case}: {s}")
+
+
+def test_stages_keep_the_models_names_and_leave_it_whole():
+    """Each stage has the model's attribute tree and names (its blocks renumbered from 0, their global
+    names offset), holds only its own blocks and the embedding/head where they run; the model it was
+    cut from is left as it was (its tied weight still one Parameter)."""
+    from minipar.pipeline import Stage
+    model = build("llama", tied=True)
+    names = set(model.state_dict())
+    stages = [Stage(model, s, 2, boundaries=[1, 3]) for s in range(2)]
+    assert [len(s.stage_blocks()) for s in stages] == [1, 3]
+    assert stages[0].model.norm is None and stages[0].lm_head is None and stages[1].model.embed_tokens is None
+    assert stages[0].tied_weight() is model.model.embed_tokens.weight
+    assert stages[1].tied_weight() is not model.lm_head.weight  # the last stage's own copy
+    assert model.lm_head.weight is model.model.embed_tokens.weight and len(model.model.layers) == 4
+    seen = {s.global_name(k) for s in stages for k in s.state_dict()}
+    assert seen == names, sorted(seen ^ names)
+    x = torch.randint(0, VOCAB, (2, SEQ))
+    torch.testing.assert_close(stages[1](stages[0](x)), model(x).logits)
+
+
+class _Toy(nn.Module):
+    """No built-in spec knows this model: an embedding, a list of MLP blocks, a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.emb = nn.Embedding(VOCAB, 8)
+        self.trunk = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3))
+        self.out = nn.Linear(8, VOCAB)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        for b in self.trunk:
+            h = b(h)
+        return self.out(h)
+
+
+def _toy_embed(s, ids):
+    return s.emb(ids)
+
+
+def _toy_head(s, h):
+    return s.out(h)
+
+
+TOY_SPEC = StageSpec(blocks="trunk", first=("emb",), last=("out",), embed=_toy_embed, head=_toy_head, hidden_size=8)
+
+
+def _train_toy(ctx):
+    mesh = Mesh(pp=2)
+    model = ShardedModule(_Toy(), mesh=mesh, pipeline=PipelineConfig(microbatches=2, stage_spec=TOY_SPEC))
+    x = torch.randint(0, VOCAB, (4, SEQ + 1), generator=torch.Generator().manual_seed(3))
+    loss = model.train_step(x[:, :-1], x[:, 1:], lm_loss).item()
+    grads = {k: v.grad.clone() for k, v in model.module.named_parameters()}
+    names = {k: model.module.global_name(k) for k in grads}
+    mesh.destroy()
+    return loss, {names[k]: g for k, g in grads.items()}
+
+
+def test_a_users_own_spec_cuts_any_block_sequential_model(pools):
+    ref = _Toy()
+    x = torch.randint(0, VOCAB, (4, SEQ + 1), generator=torch.Generator().manual_seed(3))
+    loss = torch.stack([lm_loss(ref(c[:, :-1]), c[:, 1:]) for c in x.chunk(2)]).mean()
+    loss.backward()
+    results = pools.run(2, _train_toy)
+    assert all(abs(r[0] - loss.item()) < 1e-6 for r in results), (results[0][0], loss.item())
+    got = {k: g for _, grads in results for k, g in grads.items()}
+    assert got.keys() == dict(ref.named_parameters()).keys()
+    for k, p in ref.named_parameters():
+        torch.testing.assert_close(got[k], p.grad, msg=k)
+    with pytest.raises(ValueError, match="pipeline stages cannot be cut from _Toy"):
+        spec_for(ref)
+
+
+def _refused(ctx, spec):
+    mesh = Mesh(pp=2)
+    try:
+        with mesh.comm.counting() as stats:
+            ShardedModule(_Toy(), mesh=mesh, pipeline=PipelineConfig(stage_spec=spec))
+        return None
+    except ValueError as e:
+        return str(e), [r.tag for r in stats.records]
+    finally:
+        mesh.destroy()
+
+
+@pytest.mark.parametrize("spec, message", [
+    (None, "pipeline stages cannot be cut from _Toy"),
+    (StageSpec(blocks="layers", first=("emb",), last=("out",), embed=_toy_embed, head=_toy_head, hidden_size=8),
+     "_Toy has no module at 'layers'"),
+    (StageSpec(blocks="emb", first=(), last=("out",), embed=_toy_embed, head=_toy_head, hidden_size=8),
+     "'emb' of _Toy must be an nn.ModuleList"),
+])
+def test_a_model_that_cannot_be_cut_is_refused_before_any_collective(pools, spec, message):
+    for out in pools.run(2, _refused, spec):
+        assert out is not None and message in out[0], out
+        assert out[1] == [], out  # nothing was sent
