@@ -374,6 +374,7 @@ def _bad(ctx, kwargs, layout):
 @pytest.mark.parametrize("kwargs, layout, match, where", [
     ({}, dict(pp=4), "4 pipeline stages but only 2 layers", "construction"),
     ({"schedule": "zigzag"}, dict(pp=2), "unknown schedule 'zigzag'; choose one of gpipe, 1f1b", "construction"),
+    ({"schedule": "zb_v"}, dict(pp=2), "schedule 'zb_v' exists as data", "construction"),
     ({"microbatches": 2}, dict(pp=2), "a batch of 3 does not split into microbatches=2", "train_step"),
     ({"pipeline_boundaries": [2, 1]}, dict(pp=2), "pipeline_boundaries", "construction"),
 ])

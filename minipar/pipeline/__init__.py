@@ -1,13 +1,15 @@
 """Pipeline parallelism: schedules as data, stages of any block-sequential model, and the executor that runs a schedule."""
 
 from .executor import run_schedule
-from .schedule import KINDS, SCHEDULES, Action, gpipe, one_f_one_b, simulate
+from .schedule import (KINDS, SCHEDULES, Action, Schedule, chunks_per_rank, gpipe, holder, interleaved_1f1b,
+                       one_f_one_b, simulate, virtual_stage, zb_h1, zb_v)
 from .spec import StageSpec, gpt_spec, hf_gpt2_spec, hf_llama_spec, spec_for
 from .stage import GPTStage, Stage, balanced_boundaries, default_boundaries, resolve_boundaries, stage_params, sync_tied_grads
 from .step import Pipeline, PipelineConfig
 from .timeline import RankTimeline, chrome_trace, draw_timeline, write_trace
 
-__all__ = ["Action", "KINDS", "SCHEDULES", "gpipe", "one_f_one_b", "simulate", "GPTStage", "Stage", "StageSpec", "spec_for",
+__all__ = ["Action", "KINDS", "SCHEDULES", "Schedule", "gpipe", "one_f_one_b", "interleaved_1f1b", "zb_h1", "zb_v",
+           "chunks_per_rank", "virtual_stage", "holder", "simulate", "GPTStage", "Stage", "StageSpec", "spec_for",
            "gpt_spec", "hf_gpt2_spec", "hf_llama_spec", "balanced_boundaries",
            "default_boundaries", "resolve_boundaries", "stage_params", "sync_tied_grads", "run_schedule",
            "RankTimeline", "chrome_trace", "draw_timeline", "write_trace", "Pipeline", "PipelineConfig"]

@@ -83,7 +83,7 @@ def _positions(h: torch.Tensor) -> torch.Tensor:
 
 def _gpt_embed(s, ids):
     h = s.wte(ids)
-    if s.wpe is not None:  # learned positions; pos="rope" rotates q and k inside attention instead
+    if getattr(s, "wpe", None) is not None:  # learned positions; pos="rope" rotates q, k in attention instead
         h = h + s.wpe(_positions(ids))
     return s.drop(h)
 

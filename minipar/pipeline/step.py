@@ -32,11 +32,15 @@ from .spec import StageSpec
 from .stage import sync_tied_grads
 
 
+# The schedules the executor runs; the others (virtual chunks, a split backward) are data for now.
+EXECUTED = ("1f1b", "gpipe")
+
+
 @dataclass(frozen=True)
 class PipelineConfig:
     """How `ShardedModule` runs pp > 1 stages (unused at pp = 1).
 
-    schedule: "1f1b" or "gpipe" (`SCHEDULES`); microbatches: per step (the batch must divide by
+    schedule: "1f1b" or "gpipe" (`EXECUTED`); microbatches: per step (the batch must divide by
     it); boundaries: where to cut the model (block counts or cut points; default: balanced by
     parameters); record_timeline: keep each stage's (action, start, end) of the last step;
     stage_spec: how to cut a model that `minipar.pipeline.spec_for` does not recognise.
@@ -51,6 +55,10 @@ class PipelineConfig:
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
+        if self.schedule not in EXECUTED:
+            raise ValueError(f"schedule {self.schedule!r} exists as data (minipar.pipeline.{self.schedule}, checked by "
+                             f"simulate) but the executor cannot run its chunks and split backward yet; use "
+                             f"{' or '.join(map(repr, EXECUTED))}")
         m = self.microbatches
         if isinstance(m, bool) or not isinstance(m, int) or m < 1:
             raise ValueError(f"microbatches={m!r} must be a positive integer")
