@@ -35,15 +35,16 @@ def accumulated_step(model, step_data: torch.Tensor, rows: slice, device, sync_a
     return total
 
 
-def train_rows(model, opt, data: torch.Tensor, max_norm: float) -> tuple[list[float], list[float]]:
+def train_rows(model, opt, data: torch.Tensor, max_norm: float, loss_fn=None) -> tuple[list[float], list[float]]:
     """One step per data[s] (global batch, seq + 1) on this data-parallel rank's rows: train_step
-    with the layout's cross-entropy, clip to ``max_norm``, step. Returns (losses, gradient norms)."""
+    with ``loss_fn`` (default: the layout's cross-entropy), clip to ``max_norm``, step. Returns
+    (losses, gradient norms)."""
     mesh = model.mesh
     local = data.shape[1] // mesh.dp
     losses, norms = [], []
     for s in range(data.shape[0]):
         x = data[s, mesh.dp_rank * local:(mesh.dp_rank + 1) * local].to(mesh.device)
-        losses.append(model.train_step(x[:, :-1], x[:, 1:], model.cross_entropy).item())
+        losses.append(model.train_step(x[:, :-1], x[:, 1:], loss_fn or model.cross_entropy).item())
         norms.append(model.clip_grad_norm_(max_norm).item())
         opt.step()
         opt.zero_grad()

@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers", reason="transformers is in th
 from minipar import Mesh, ShardedModule  # noqa: E402
 from minipar.pipeline import PipelineConfig, StageSpec, spec_for  # noqa: E402
 
-from helpers import EPS, LR, WD  # noqa: E402
+from helpers import EPS, LR, WD, train_rows  # noqa: E402
 
 MAX_NORM = 0.05
 VOCAB, SEQ = 32, 8
@@ -65,14 +65,7 @@ def _train(ctx, case: dict):
         options["tp_plan"] = LLAMA_TP_PLAN
     sharded = ShardedModule(model, mesh=mesh, **options)
     opt = sharded.build_optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD, eps=EPS)
-    data, rows = _data(mesh.dp, case["m"]), 2 * case["m"]
-    losses, norms = [], []
-    for step in range(data.shape[0]):
-        x = data[step, mesh.dp_rank * rows:(mesh.dp_rank + 1) * rows]
-        losses.append(sharded.train_step(x[:, :-1], x[:, 1:], lm_loss).item())
-        norms.append(sharded.clip_grad_norm_(MAX_NORM).item())
-        opt.step()
-        opt.zero_grad()
+    losses, norms = train_rows(sharded, opt, _data(mesh.dp, case["m"]), MAX_NORM, lm_loss)
     state = {k: v.float().cpu() for k, v in sharded.full_state_dict().items()}
     mesh.destroy()
     return losses, norms, state
