@@ -2,7 +2,8 @@
 
 from .executor import run_schedule
 from .schedule import (KINDS, SCHEDULES, Action, Schedule, chunks_per_rank, gpipe, holder, interleaved_1f1b,
-                       one_f_one_b, simulate, virtual_stage, zb_h1, zb_v)
+                       one_f_one_b, virtual_stage, zb_h1, zb_v)
+from .simulator import simulate
 from .spec import StageSpec, gpt_spec, hf_gpt2_spec, hf_llama_spec, spec_for
 from .stage import GPTStage, Stage, balanced_boundaries, default_boundaries, resolve_boundaries, stage_params, sync_tied_grads
 from .step import Pipeline, PipelineConfig
