@@ -49,3 +49,19 @@ def train_rows(model, opt, data: torch.Tensor, max_norm: float, loss_fn=None) ->
         opt.step()
         opt.zero_grad()
     return losses, norms
+
+
+def reference_steps(model, steps: int, step_loss, max_norm: float, eps: float = EPS) -> tuple[list[float], list[float]]:
+    """The single-process reference: ``steps`` AdamW steps (LR, WD, ``eps``) of ``model``, each on
+    ``step_loss(s)`` (the global batch's loss as the layout defines it), clipped to ``max_norm``.
+    Returns (losses, gradient norms before clipping)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, eps=eps)
+    losses, norms = [], []
+    for s in range(steps):
+        loss = step_loss(s)
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, norms

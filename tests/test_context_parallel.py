@@ -20,7 +20,7 @@ from minipar import Mesh, ShardedModule
 from minipar.models import GPT, GPTConfig, gpt_loss
 from minipar.ring_attention import ring_bytes
 
-from helpers import EPS, LR, WD
+from helpers import EPS, LR, WD, reference_steps
 
 MAX_NORM = 0.05
 
@@ -67,19 +67,11 @@ def _train(ctx, case: dict):
 
 def _reference(case: dict, world: int):
     model = GPT(GPTConfig(**_cfg(case)))
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, eps=EPS)
-    dp = world // case["cp"]
-    data = _data(case, 2 * dp)
-    losses, norms = [], []
-    for s in range(data.shape[0]):
-        # each data-parallel rank's loss is the mean over its counted tokens; the global loss their mean
-        per_rank = [gpt_loss(model(x[:, :-1]), _targets(x, case)) for x in data[s].split(2)]
-        loss = torch.stack(per_rank).mean()
-        loss.backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    data = _data(case, 2 * (world // case["cp"]))
+
+    def step_loss(s):  # each data-parallel rank's loss is the mean over its counted tokens; the global their mean
+        return torch.stack([gpt_loss(model(x[:, :-1]), _targets(x, case)) for x in data[s].split(2)]).mean()
+    losses, norms = reference_steps(model, data.shape[0], step_loss, MAX_NORM)
     return losses, norms, model.state_dict()
 
 

@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers", reason="transformers is in th
 from minipar import Mesh, ShardedModule  # noqa: E402
 from minipar.pipeline import PipelineConfig, StageSpec, spec_for  # noqa: E402
 
-from helpers import EPS, LR, WD, train_rows  # noqa: E402
+from helpers import EPS, LR, WD, reference_steps, train_rows  # noqa: E402
 
 MAX_NORM = 0.05
 VOCAB, SEQ = 32, 8
@@ -73,21 +73,13 @@ def _train(ctx, case: dict):
 
 def _reference(case: dict, world: int):
     model = build(case["model"], case["tied"])
-    dp = world // (case["mesh"].get("pp", 1) * case["mesh"].get("tp", 1))
-    m = case["m"]
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, eps=EPS)
-    data = _data(dp, m)
-    losses, norms = [], []
-    for step in range(data.shape[0]):
-        x = data[step]
-        logits = model(x[:, :-1]).logits
-        # each rank's loss is the mean of its micro-batches' means; the global loss their mean
-        loss = torch.stack([lm_loss(lg, y) for lg, y in zip(logits.chunk(dp * m), x[:, 1:].chunk(dp * m))]).mean()
-        loss.backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    n = world // (case["mesh"].get("pp", 1) * case["mesh"].get("tp", 1)) * case["m"]  # dp x micro-batches
+    data = _data(n // case["m"], case["m"])
+
+    def step_loss(s):  # each rank's loss is the mean of its micro-batches' means; the global loss their mean
+        logits, y = model(data[s, :, :-1]).logits, data[s, :, 1:]
+        return torch.stack([lm_loss(lg, t) for lg, t in zip(logits.chunk(n), y.chunk(n))]).mean()
+    losses, norms = reference_steps(model, data.shape[0], step_loss, MAX_NORM)
     return losses, norms, model.state_dict()
 
 
