@@ -137,10 +137,12 @@ def resolve_boundaries(spec: Sequence[int], n_layer: int, stages: int) -> list[i
 
 
 def _shallow(module: nn.Module) -> nn.Module:
-    """A copy of ``module`` with its own tables of children, parameters and buffers (their values shared)."""
+    """A copy of ``module`` with its own tables (children, parameters, buffers, hooks; their values
+    shared), so that changing the copy's never changes the original's."""
     copy_ = copy.copy(module)
-    copy_._modules, copy_._parameters, copy_._buffers = \
-        dict(module._modules), dict(module._parameters), dict(module._buffers)
+    for name, value in vars(module).items():
+        if isinstance(value, (dict, set)):
+            copy_.__dict__[name] = copy.copy(value)
     return copy_
 
 
