@@ -39,7 +39,7 @@ from .moe import check_moe_config, moe_layers, shard_experts
 from .recompute import check_units, checkpoint_modules, select_checkpointed
 from .pipeline import Stage, default_boundaries, resolve_boundaries, spec_for
 from .pipeline.spec import find
-from .pipeline.step import Pipeline, PipelineConfig
+from .pipeline.step import SPLIT_BACKWARD, Pipeline, PipelineConfig
 from .precision import FP32
 from .strategy import DataParallelConfig, Strategy
 from .tensor_parallel import TensorParallelConfig, check_plan, mark_sequence_parallel, parallelize, vocab_parallel_cross_entropy
@@ -55,7 +55,7 @@ _FLAT_OPTIONS = {
     "dropout_seed": ("tensor_parallel", "dropout_seed"),
     "schedule": ("pipeline", "schedule"), "microbatches": ("pipeline", "microbatches"),
     "pipeline_boundaries": ("pipeline", "boundaries"), "record_timeline": ("pipeline", "record_timeline"),
-    "stage_spec": ("pipeline", "stage_spec"),
+    "stage_spec": ("pipeline", "stage_spec"), "virtual_stages": ("pipeline", "virtual_stages"),
 }
 _CONFIGS = {"strategy": DataParallelConfig, "tensor_parallel": TensorParallelConfig, "pipeline": PipelineConfig}
 
@@ -113,7 +113,7 @@ class ShardedModule(nn.Module):
             bucket_cap_mb, mixed_precision, cpu_offload, wrap_policy, reshard_after_forward, unit_check
             (strategy);
             tp_plan, sequence_parallel, dropout_seed (tensor_parallel); schedule, microbatches,
-            pipeline_boundaries, record_timeline, stage_spec (pipeline).
+            pipeline_boundaries, record_timeline, stage_spec, virtual_stages (pipeline).
 
     Raises ValueError, on every rank and before any collective, for an option a config refuses, a
     layout that cannot exist, or a module without parameters; and, after one small collective,
@@ -145,8 +145,18 @@ class ShardedModule(nn.Module):
             tied_shape = (tied.shape[0] // mesh.tp,) + tuple(tied.shape[1:]) if tied is not None else None
             runner = Pipeline(mesh, pp_config, spec.hidden_size, tied_shape,
                               seq_divisor=mesh.tp if sequence_parallel else 1)
-            boundaries = default_boundaries(module, mesh.pp, spec) if pp_config.boundaries is None else \
-                resolve_boundaries(pp_config.boundaries, n_blocks, mesh.pp)
+            pp_config.schedule_for(mesh.pp)  # a micro-batch count the schedule cannot run
+            pieces = mesh.pp * pp_config.chunks
+            if pp_config.chunks > 1 and pieces > n_blocks:  # (one chunk: balanced_boundaries says it)
+                raise ValueError(f"pp={mesh.pp} x {pp_config.chunks} chunk(s) per rank ({pp_config.schedule}) makes "
+                                 f"{pieces} pipeline pieces but the model has {n_blocks} blocks: every piece needs one; "
+                                 "use fewer stages or chunks")
+            boundaries = default_boundaries(module, pieces, spec) if pp_config.boundaries is None else \
+                resolve_boundaries(pp_config.boundaries, n_blocks, pieces)
+            if pp_config.schedule in SPLIT_BACKWARD and dp_config.zero3 and reshard_after_forward:
+                raise ValueError(f"schedule={pp_config.schedule!r} computes weight gradients (W) after the "
+                                 "backward that freed the gathered parameters with reshard_after_forward=True; "
+                                 "leave reshard_after_forward unset (False under a pipeline) or use '1f1b'")
         if mesh.hsdp and not dp_config.sharded:
             raise ValueError(f"the mesh has dp_shard={mesh.dp_shard} (HSDP) but DDP shards nothing; use "
                              "strategy='zero1', 'zero2' or 'zero3', or build the mesh without dp_shard")
@@ -180,6 +190,8 @@ class ShardedModule(nn.Module):
                                       "activation_checkpointing": activation_checkpointing,
                                       "context_parallel": context_parallel})
         broadcast_initial_state(module, mesh)
+        if runner is not None:
+            runner.connect()
         config = getattr(module, "config", None)  # what a batch is checked against (`minipar.checks`)
         self._vocab_size = getattr(config, "vocab_size", None)
         sp = mesh.tp if sequence_parallel else 1  # each tp rank holds a slice of (its cp rank's) sequence
@@ -194,7 +206,8 @@ class ShardedModule(nn.Module):
         self.strategy_name = dp_config.strategy
         self.pipeline = runner
         if mesh.pp > 1:  # keep only this stage's pieces of the model
-            whole, module = module, Stage(module, mesh.pp_rank, mesh.pp, boundaries, spec)
+            whole, module = module, Stage(module, mesh.pp_rank, mesh.pp, boundaries, spec,
+                                          chunks=pp_config.chunks, placement=pp_config.placement)
             if plan is not None:  # the plan's modules that this stage holds, under the stage's names
                 plan = stage_plan(plan, whole, module)
         self.module = module.to(mesh.device)

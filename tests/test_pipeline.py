@@ -312,20 +312,20 @@ def _count_second_step(model: ShardedModule, x: torch.Tensor):
     return stats
 
 
-def _count_grad_sync(ctx, strategy: str, counts: list[int]):
+def _count_grad_sync(ctx, strategy: str, counts: list[int], schedule: str = "1f1b"):
     """Per m: calls of the gradient collective over dp in the second step (train_step, clip,
     optimizer step), the number of buckets/shard groups, and whether every call came after the last
     backward started."""
     out = {}
     for m in counts:
         mesh = Mesh(pp=2, dp=2)
-        cfg = GPTConfig(vocab_size=24, block_size=5, n_layer=2, n_head=2, n_embd=8, seed=3)
-        model = ShardedModule(GPT(cfg), mesh=mesh, strategy=strategy, schedule="1f1b", microbatches=m,
+        cfg = GPTConfig(vocab_size=24, block_size=5, n_layer=4, n_head=2, n_embd=8, seed=3)
+        model = ShardedModule(GPT(cfg), mesh=mesh, strategy=strategy, schedule=schedule, microbatches=m,
                               bucket_cap_mb=1e-3, record_timeline=True)  # ~1 KiB buckets: many of them, so counts mean something
         stats = _count_second_step(model, torch.randint(0, 24, (8, 6), generator=torch.Generator().manual_seed(mesh.dp_rank)))
         op = "all_reduce" if strategy == "ddp" else "reduce_scatter"
         calls = [r for r in stats.records if r.op == op and r.group == "dp" and r.tag == "grad"]
-        last_backward = max(start for action, start, _ in model.timeline if action.startswith("B"))
+        last_backward = max(start for action, start, _ in model.timeline if action[0] in "BW")
         groups = len(model.strategy.buckets) if strategy == "ddp" else len(model.strategy.groups)
         out[m] = dict(calls=len(calls), groups=groups, unused_maps=stats.calls("all_reduce", "dp", "unused_map"),
                       after_last_backward=all(r.time_s >= last_backward for r in calls))
@@ -333,20 +333,23 @@ def _count_grad_sync(ctx, strategy: str, counts: list[int]):
     return out
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2"])
-def test_data_parallel_gradient_sync_runs_once_per_step_after_the_last_microbatch(pools, strategy):
+@pytest.mark.parametrize("strategy, schedule", [("ddp", "1f1b"), ("zero1", "1f1b"), ("zero2", "1f1b"),
+                                               ("ddp", "zb_v"), ("zero2", "zb_h1"), ("zero1", "interleaved_1f1b")])
+def test_data_parallel_gradient_sync_runs_once_per_step_after_the_last_microbatch(pools, strategy, schedule):
     """DDP under pp: one all-reduce per bucket per step (and one unused-parameter map), whatever the
-    micro-batch count, all issued after the stage's last backward began; ZeRO-1 and ZeRO-2 likewise
-    one reduce-scatter per shard group per step (ZeRO-2 holds the local gradient in p.grad across
-    the step's micro-batches, as the others do, instead of reduce-scattering m times)."""
-    for rank, per_m in enumerate(pools.run(4, _count_grad_sync, strategy, [1, 4])):
-        assert per_m[1]["groups"] > 1
+    micro-batch count, all issued after the stage's last backward (B or W) began; ZeRO-1 and ZeRO-2
+    likewise one reduce-scatter per shard group per step (ZeRO-2 holds the local gradient in p.grad
+    across the step's micro-batches, as the others do, instead of reduce-scattering m times). The
+    same under the schedules with chunks and a split backward."""
+    counts = [2, 4] if schedule == "interleaved_1f1b" else [1, 4]
+    for rank, per_m in enumerate(pools.run(4, _count_grad_sync, strategy, counts, schedule)):
+        assert per_m[counts[0]]["groups"] > 1
         for m, c in per_m.items():
             assert c["calls"] == c["groups"], (rank, m, c)
             assert c["after_last_backward"], (rank, m, c)
             if strategy == "ddp":
                 assert c["unused_maps"] == 1, (rank, m, c)
-        assert per_m[1]["calls"] == per_m[4]["calls"]
+        assert per_m[counts[0]]["calls"] == per_m[4]["calls"]
 
 
 # -- configuration errors ------------------------------------------------------------------------
@@ -374,7 +377,11 @@ def _bad(ctx, kwargs, layout):
 @pytest.mark.parametrize("kwargs, layout, match, where", [
     ({}, dict(pp=4), "4 pipeline stages but only 2 layers", "construction"),
     ({"schedule": "zigzag"}, dict(pp=2), "unknown schedule 'zigzag'; choose one of gpipe, 1f1b", "construction"),
-    ({"schedule": "zb_v"}, dict(pp=2), "schedule 'zb_v' exists as data", "construction"),
+    ({"schedule": "zb_v"}, dict(pp=2), "makes 4 pipeline pieces but the model has 2 blocks", "construction"),
+    ({"schedule": "interleaved_1f1b", "microbatches": 3}, dict(pp=2), "must be a multiple of 2", "construction"),
+    ({"virtual_stages": 2}, dict(pp=2), "'1f1b' runs 1 model chunk(s) per rank", "construction"),
+    ({"schedule": "zb_h1", "strategy": "zero3", "reshard_after_forward": True}, dict(pp=2),
+     "reshard_after_forward=True", "construction"),
     ({"microbatches": 2}, dict(pp=2), "a batch of 3 does not split into microbatches=2", "train_step"),
     ({"pipeline_boundaries": [2, 1]}, dict(pp=2), "pipeline_boundaries", "construction"),
 ])

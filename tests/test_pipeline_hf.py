@@ -1,7 +1,8 @@
 """Pipelines of Hugging Face models (issue 15, point 1): stages cut from a real GPT-2 and a real
 Llama (built from small configs, never downloaded), proven equal to the same model trained in one
 process on the global batch: losses, clipped gradient norms and every parameter after three AdamW
-steps, under pp alone and composed with dp (each strategy) and tp (a plan over the Llama's names).
+steps, under pp alone and composed with dp (each strategy) and tp (a plan over the Llama's names), with
+every schedule (interleaved 1F1B and the zero-bubble ZB-H1 and ZB-V too).
 
 Also: the stage keeps the model's own names (``full_state_dict`` loads into the original model), a
 tied embedding/head works across stages, a user's own `StageSpec` cuts a model no built-in spec
@@ -90,6 +91,11 @@ CASES = [
     dict(model="llama", tied=True, mesh=dict(pp=2, dp=2), strategy="zero2", schedule="gpipe", m=2),
     dict(model="llama", tied=False, mesh=dict(pp=2, dp=2), strategy="ddp", schedule="1f1b", m=3, recompute=True),
     dict(model="llama", tied=False, mesh=dict(pp=2, tp=2), strategy="zero1", schedule="1f1b", m=2),
+    # the schedules with chunks and a split backward (B, W) on the same models
+    dict(model="gpt2", tied=True, mesh=dict(pp=2), strategy="ddp", schedule="zb_v", m=4),
+    dict(model="gpt2", tied=False, mesh=dict(pp=2, dp=2), strategy="zero3", schedule="zb_h1", m=2, recompute=True),
+    dict(model="llama", tied=True, mesh=dict(pp=2, dp=2), strategy="ddp", schedule="interleaved_1f1b", m=2),
+    dict(model="llama", tied=False, mesh=dict(pp=2, tp=2), strategy="zero2", schedule="zb_h1", m=3),
 ]
 
 

@@ -7,6 +7,11 @@ asynchronous (handles kept until the end of the step), receives block: the
 order the schedule gives is the order that cannot deadlock (`simulate` checks
 it). Each micro-batch's loss is divided by the micro-batch count, so the
 accumulated gradients are those of the mean over the whole batch.
+
+With several chunks per rank every action names its chunk, and the peer of a
+message is the rank holding the neighbouring virtual stage (a hop between two
+chunks of one rank is handed over in memory). In a schedule with W actions, B
+computes the input's gradient only and W the weights' (`split_backward`).
 """
 
 from __future__ import annotations
@@ -16,19 +21,27 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from ..mesh import Mesh
-from .schedule import Action
+from ..mesh import AxisGroup, Mesh
+from .schedule import Action, Schedule, holder, virtual_stage
+from .split_backward import WeightGrad, backward_input
 
 
-def run_schedule(stage: nn.Module, actions: list[Action], mesh: Mesh, inputs: list[torch.Tensor] | None,
+def run_schedule(stage: nn.Module, schedule: Schedule, mesh: Mesh, inputs: list[torch.Tensor] | None,
                  targets: list[torch.Tensor] | None, loss_fn: Callable, act_shape: tuple, act_dtype: torch.dtype,
-                 timeline: list | None = None) -> tuple[torch.Tensor, int]:
-    """Run ``actions`` on this stage. Returns (sum of this stage's micro-batch losses / m, 0 off the last
-    stage; the most micro-batches whose activations this stage held at once).
+                 timeline: list | None = None, grad_group: AxisGroup | None = None) -> tuple[torch.Tensor, int]:
+    """Run this rank's actions of ``schedule`` on ``stage`` (a `Stage` with ``schedule.chunks`` chunks).
+    Returns (sum of the loss over this rank's micro-batches / m, 0 where the rank holds no last
+    piece; the most (micro-batch, chunk) activations this rank held at once).
 
-    inputs: the micro-batches of token ids (first stage); targets: of labels (last stage).
+    inputs: the micro-batches of token ids (on the rank holding the first piece); targets: of
+    labels (the last piece's rank).
     timeline: if given, (action, start, end) in perf_counter seconds is appended for each action (on a
         GPU: when its kernels ran, see below).
+    grad_group: the group gradients travel on (default: the ``pp`` group, as activations). With more
+        than one chunk per rank two ranks exchange both kinds in both directions (interleaved at
+        pp = 2, ZB-V), while a schedule orders messages only per kind (`simulate` checks FIFO per
+        kind); point-to-point messages are matched by order per group (NCCL has no tags), so the
+        gradients need a group of their own (`Mesh.twin`).
     """
     import time
 
@@ -43,48 +56,76 @@ def run_schedule(stage: nn.Module, actions: list[Action], mesh: Mesh, inputs: li
         origin.record()
         spans = []
     pp = mesh.group("pp")
+    groups = {"pp_act": pp, "pp_grad": grad_group or pp}
     comm = mesh.comm
-    first, last = pp.rank == 0, pp.rank == pp.size - 1
+    p, rank, pieces = pp.size, pp.rank, pp.size * schedule.chunks
+    split = any(a.kind == "W" for a in schedule[rank])  # B is the input's gradient only, W the weights'
     m = len(inputs) if inputs is not None else len(targets) if targets is not None else \
-        sum(1 for a in actions if a.kind == "F")
-    received: dict[int, torch.Tensor] = {}   # micro-batch -> input activation (requires grad)
-    outputs: dict[int, torch.Tensor] = {}    # micro-batch -> output activation or loss
-    out_grads: dict[int, torch.Tensor] = {}
-    pending = []                             # (handle, tensor kept alive until the send completes)
+        sum(1 for a in schedule[rank] if a.kind == "F" and a.chunk == 0)
+
+    def piece(a: Action) -> int:
+        return virtual_stage(rank, a.chunk, p, schedule.placement)
+
+    def peer(k: int) -> tuple[int, int]:  # (rank, chunk) holding virtual stage k
+        return holder(k, p, schedule.placement)
+
+    # Everything is keyed by (micro-batch, chunk). A hop between two chunks of this rank (ZB-V's turn)
+    # is handed over in memory: the send parks the tensor in `local`, the receive takes it.
+    received: dict[tuple, torch.Tensor] = {}   # input activation (requires grad)
+    outputs: dict[tuple, torch.Tensor] = {}    # output activation, or loss on the last piece
+    out_grads: dict[tuple, torch.Tensor] = {}
+    weight_grads: dict[tuple, WeightGrad] = {}  # split backward: what each W still has to do
+    local: dict[tuple, torch.Tensor] = {}      # (kind, micro-batch, receiving chunk) -> tensor
+    pending = []                               # (handle, tensor kept alive until the send completes)
     total = torch.zeros((), device=mesh.device)
-    peak_live = 0
-    for a in actions:
+    live, peak_live = 0, 0
+    for a in schedule[rank]:
         t0 = time.perf_counter()
         if gpu_clock:
             ev0 = torch.cuda.Event(enable_timing=True)
             ev0.record()
-        i = a.microbatch
-        if a.kind == "RECV_ACT":
-            buf = torch.empty(act_shape, dtype=act_dtype, device=mesh.device)
-            comm.recv(buf, pp.rank - 1, pp, tag="pp_act")
-            received[i] = buf.requires_grad_()
-        elif a.kind == "F":
-            out = stage(inputs[i] if first else received[i])
-            if last:
-                out = loss_fn(out, targets[i]) / m
-                total += out.detach()
-            outputs[i] = out
-            peak_live = max(peak_live, len(outputs))
-        elif a.kind == "SEND_ACT":
-            act = outputs[i].detach().contiguous()  # a sequence-parallel shard may be a strided view
-            pending.append((comm.send(act, pp.rank + 1, pp, async_op=True, tag="pp_act"), act))
-        elif a.kind == "RECV_GRAD":
-            buf = torch.empty(act_shape, dtype=act_dtype, device=mesh.device)
-            comm.recv(buf, pp.rank + 1, pp, tag="pp_grad")
-            out_grads[i] = buf
-        elif a.kind == "B":
-            if last:
-                outputs.pop(i).backward()
+        key, k = (a.microbatch, a.chunk), piece(a)
+        if a.kind in ("RECV_ACT", "RECV_GRAD"):
+            src, tag = (k - 1, "pp_act") if a.kind == "RECV_ACT" else (k + 1, "pp_grad")
+            src_rank, _ = peer(src)
+            if src_rank == rank:
+                buf = local.pop((tag,) + key)
             else:
-                outputs.pop(i).backward(out_grads.pop(i))
-        elif a.kind == "SEND_GRAD":
-            grad = received.pop(i).grad.contiguous()
-            pending.append((comm.send(grad, pp.rank - 1, pp, async_op=True, tag="pp_grad"), grad))
+                buf = torch.empty(act_shape, dtype=act_dtype, device=mesh.device)
+                comm.recv(buf, src_rank, groups[tag], tag=tag)
+            if a.kind == "RECV_ACT":
+                received[key] = buf.detach().requires_grad_()
+            else:
+                out_grads[key] = buf
+        elif a.kind in ("SEND_ACT", "SEND_GRAD"):
+            if a.kind == "SEND_ACT":
+                dst, tag, t = k + 1, "pp_act", outputs[key].detach()
+            else:
+                dst, tag, t = k - 1, "pp_grad", received.pop(key).grad
+            t = t.contiguous()  # a sequence-parallel shard may be a strided view
+            dst_rank, dst_chunk = peer(dst)
+            if dst_rank == rank:
+                local[(tag, a.microbatch, dst_chunk)] = t
+            else:
+                pending.append((comm.send(t, dst_rank, groups[tag], async_op=True, tag=tag), t))
+        elif a.kind == "F":
+            out = stage(inputs[a.microbatch] if k == 0 else received[key], chunk=a.chunk)
+            if k == pieces - 1:
+                out = loss_fn(out, targets[a.microbatch]) / m
+                total += out.detach()
+            outputs[key] = out
+            live += 1
+            peak_live = max(peak_live, live)
+        elif a.kind == "B":
+            out, grad = outputs.pop(key), out_grads.pop(key, None)
+            if split:
+                weight_grads[key] = backward_input(out, grad, received.get(key))
+            else:
+                out.backward(grad)
+                live -= 1
+        elif a.kind == "W":
+            weight_grads.pop(key).run()
+            live -= 1
         if gpu_clock:
             ev1 = torch.cuda.Event(enable_timing=True)
             ev1.record()

@@ -45,6 +45,7 @@ import torch
 import torch.nn as nn
 
 from ..mesh import Mesh
+from .schedule import holder, virtual_stage
 from .spec import StageSpec, find, gpt_spec, hidden_of, spec_for
 
 
@@ -179,23 +180,40 @@ class Stage(nn.Module):
 
     boundaries: None for the parameter-balanced default (`default_boundaries`), else block counts
     or cut points (`resolve_boundaries`). ``self.boundaries`` holds the cut points used.
+    chunks, placement: with ``chunks`` > 1 the model is cut into stages * chunks pieces (virtual
+    stages) and this rank holds ``chunks`` of them, where ``placement`` puts them
+    (`minipar.pipeline.schedule.virtual_stage`: "interleaved" or "v"); its block list is its
+    chunks' blocks in chunk order (``block_index[k]``: the model's index of block k), and
+    ``forward(x, chunk=c)`` runs chunk c (the embedding first on piece 0, the head last on the
+    last piece). ``first`` / ``last``: this rank holds the first / last piece.
     """
 
     def __init__(self, model: nn.Module, stage: int, stages: int, boundaries: Sequence[int] | None = None,
-                 spec: StageSpec | None = None) -> None:
+                 spec: StageSpec | None = None, chunks: int = 1, placement: str = "interleaved") -> None:
         super().__init__()
         spec = spec or spec_for(model)
         spec.check(model)
         blocks = find(model, spec.blocks)
-        bounds = default_boundaries(model, stages, spec) if boundaries is None else \
-            resolve_boundaries(boundaries, len(blocks), stages)
+        pieces = stages * chunks  # the virtual stages: the model is cut into this many pieces
+        bounds = default_boundaries(model, pieces, spec) if boundaries is None else \
+            resolve_boundaries(boundaries, len(blocks), pieces)
         self.spec, self.boundaries = spec, bounds
-        self.first, self.last = stage == 0, stage == stages - 1
-        self.layer_offset = bounds[stage]  # this stage's block k is the model's block (offset + k)
-        self.tied = spec.tied_in(model) and stages > 1
-        changes: dict[str, nn.Module | None] = {spec.blocks: nn.ModuleList(blocks[bounds[stage]:bounds[stage + 1]])}
+        # chunk c of this rank runs virtual stage vstages[c]: its blocks [bounds[k], bounds[k + 1])
+        self.vstages = [virtual_stage(stage, c, stages, placement) for c in range(chunks)]
+        self.pieces = pieces
+        self.block_index = [b for k in self.vstages for b in range(bounds[k], bounds[k + 1])]  # local -> model's
+        starts = [0]
+        for k in self.vstages:
+            starts.append(starts[-1] + bounds[k + 1] - bounds[k])
+        self.chunk_blocks = list(zip(starts, starts[1:]))  # chunk c runs its blocks [lo, hi)
+        self.first, self.last = 0 in self.vstages, pieces - 1 in self.vstages
+        self.layer_offset = bounds[self.vstages[0]]  # chunk 0's block k is the model's block (offset + k)
+        # A tied embedding/head weight needs a copy (and a gradient sum) only where the first and the
+        # last piece live on different ranks; a rank that holds both (ZB-V's first) shares it as the model does.
+        self.tied = spec.tied_in(model) and holder(0, stages, placement)[0] != holder(pieces - 1, stages, placement)[0]
+        changes: dict[str, nn.Module | None] = {spec.blocks: nn.ModuleList(blocks[b] for b in self.block_index)}
         changes.update({path: None for path in (() if self.first else spec.first) + (() if self.last else spec.last)})
-        if self.tied and self.last and not self.first:  # the head module gets its own copy of the weight
+        if self.tied and self.last:  # the head module gets its own copy of the weight
             head_path, weight = spec.tied[1].rsplit(".", 1)
             changes[head_path] = _shallow(find(model, head_path))
         root = _pruned(model, changes)
@@ -203,7 +221,7 @@ class Stage(nn.Module):
             self.add_module(name, child)
         for name, p in root._parameters.items():
             self.register_parameter(name, p)
-        if self.tied and self.last and not self.first:
+        if self.tied and self.last:
             setattr(find(self, head_path), weight, nn.Parameter(find(model, spec.tied[1]).detach().clone()))
 
     def global_name(self, name: str) -> str:
@@ -212,19 +230,22 @@ class Stage(nn.Module):
         if not name.startswith(blocks):
             return name
         idx, _, rest = name[len(blocks):].partition(".")
-        return f"{blocks}{int(idx) + self.layer_offset}" + (f".{rest}" if rest else "")
+        return f"{blocks}{self.block_index[int(idx)]}" + (f".{rest}" if rest else "")
 
     def stage_blocks(self) -> nn.ModuleList:
-        """The blocks this stage runs, in order."""
+        """The blocks this stage runs, in order (chunk 0's, then chunk 1's, ...)."""
         return find(self, self.spec.blocks)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        spec = self.spec
-        h = spec.embed(self, x) if self.first else x
+    def forward(self, x: torch.Tensor, chunk: int = 0) -> torch.Tensor:
+        """Run chunk ``chunk``: the embedding first if it is the model's first piece, the head last if
+        it is the last piece."""
+        spec, k = self.spec, self.vstages[chunk]
+        h = spec.embed(self, x) if k == 0 else x
         kwargs = spec.block_kwargs(self, h) if spec.block_kwargs is not None else {}
-        for block in self.stage_blocks():
+        lo, hi = self.chunk_blocks[chunk]
+        for block in self.stage_blocks()[lo:hi]:
             h = hidden_of(block(h, **kwargs))
-        return spec.head(self, h) if self.last else h
+        return spec.head(self, h) if k == self.pieces - 1 else h
 
     def tied_weight(self) -> nn.Parameter | None:
         if not self.tied:

@@ -27,41 +27,60 @@ from ..mesh import Mesh
 from ..moe import moe_layers
 from ..strategy import Strategy
 from .executor import run_schedule
-from .schedule import SCHEDULES
+from .schedule import SCHEDULES, Schedule, chunks_per_rank
 from .spec import StageSpec
 from .stage import sync_tied_grads
 
 
-# The schedules the executor runs; the others (virtual chunks, a split backward) are data for now.
-EXECUTED = ("1f1b", "gpipe")
+# The schedules that split the backward into B (input gradient) and W (weight gradients).
+SPLIT_BACKWARD = ("zb_h1", "zb_v")
 
 
 @dataclass(frozen=True)
 class PipelineConfig:
     """How `ShardedModule` runs pp > 1 stages (unused at pp = 1).
 
-    schedule: "1f1b" or "gpipe" (`EXECUTED`); microbatches: per step (the batch must divide by
-    it); boundaries: where to cut the model (block counts or cut points; default: balanced by
-    parameters); record_timeline: keep each stage's (action, start, end) of the last step;
-    stage_spec: how to cut a model that `minipar.pipeline.spec_for` does not recognise.
-    Raises ValueError for an unknown schedule or a micro-batch count that is not a positive integer."""
+    schedule: one of `SCHEDULES`: "gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_v";
+    microbatches: per step (the batch must divide by it); virtual_stages: model chunks per rank
+    for interleaved_1f1b (default 2; zb_v has 2, the others 1); boundaries: where to cut the
+    model into pp * chunks pieces (block counts or cut points; default: balanced by parameters);
+    record_timeline: keep each stage's (action, start, end) of the last step; stage_spec: how to
+    cut a model that `minipar.pipeline.spec_for` does not recognise.
+    Raises ValueError for an unknown schedule, a micro-batch or chunk count that is not a positive
+    integer, or a chunk count the schedule cannot run."""
 
     schedule: str = "1f1b"
     microbatches: int = 1
     boundaries: Sequence[int] | None = None
     record_timeline: bool = False
     stage_spec: StageSpec | None = None
+    virtual_stages: int | None = None
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
-        if self.schedule not in EXECUTED:
-            raise ValueError(f"schedule {self.schedule!r} exists as data (minipar.pipeline.{self.schedule}, checked by "
-                             f"simulate) but the executor cannot run its chunks and split backward yet; use "
-                             f"{' or '.join(map(repr, EXECUTED))}")
-        m = self.microbatches
-        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
-            raise ValueError(f"microbatches={m!r} must be a positive integer")
+        for name in ("microbatches", "virtual_stages"):
+            n = getattr(self, name)
+            if (n is not None or name == "microbatches") and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+                raise ValueError(f"{name}={n!r} must be a positive integer")
+        fixed = chunks_per_rank(self.schedule)
+        if self.schedule != "interleaved_1f1b" and self.virtual_stages not in (None, fixed):
+            raise ValueError(f"schedule {self.schedule!r} runs {fixed} model chunk(s) per rank, not "
+                             f"virtual_stages={self.virtual_stages}; use schedule='interleaved_1f1b' for more")
+
+    @property
+    def chunks(self) -> int:
+        """Model chunks per rank."""
+        return chunks_per_rank(self.schedule, self.virtual_stages)
+
+    @property
+    def placement(self) -> str:
+        return "v" if self.schedule == "zb_v" else "interleaved"
+
+    def schedule_for(self, stages: int) -> Schedule:
+        """The schedule's per-rank actions for ``stages`` ranks (ValueError when the micro-batch count
+        does not suit it, e.g. interleaved_1f1b with m not a multiple of pp)."""
+        return SCHEDULES[self.schedule](stages, self.microbatches, self.chunks)
 
 
 class Pipeline:
@@ -73,12 +92,19 @@ class Pipeline:
     def __init__(self, mesh: Mesh, config: PipelineConfig, hidden: int, tied_shape: tuple,
                  seq_divisor: int = 1) -> None:
         schedule, microbatches, record_timeline = config.schedule, config.microbatches, config.record_timeline
-        self.mesh, self.schedule, self.microbatches = mesh, schedule, microbatches
+        self.mesh, self.schedule, self.microbatches, self.config = mesh, schedule, microbatches, config
         self.hidden, self.tied_shape = hidden, tied_shape
         self.seq_divisor = seq_divisor  # sequence parallelism: activations between stages are sequence shards
         self.record_timeline = record_timeline
         self.timeline: list = []  # (action, start, end) of this stage's last step, when recorded
+        self.grad_group = None  # where gradients travel when activations and gradients share a pair (`connect`)
         self.peak_live_activations = 0
+
+    def connect(self) -> None:
+        """Create what the schedule's messages need (collective over the world: call on every rank,
+        after the configuration checks): with several chunks per rank, a group for the gradients."""
+        if self.config.chunks > 1:
+            self.grad_group = self.mesh.twin("pp")
 
     def step(self, stage: nn.Module, strategy: Strategy, inputs: torch.Tensor, targets: torch.Tensor,
              loss_fn: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
@@ -92,7 +118,7 @@ class Pipeline:
         for layer in moe_layers(stage):  # the loss is a mean over m micro-batches; so is the auxiliary loss
             layer.aux_scale = 1.0 / m
         act_shape = (inputs.shape[0] // m, inputs.shape[1] // self.seq_divisor, self.hidden)
-        actions = SCHEDULES[self.schedule](mesh.pp, m)[mesh.pp_rank]
+        schedule = self.config.schedule_for(mesh.pp)
         scale = strategy.scaler.scale if strategy.scaler.enabled else None
         stage_loss = loss_fn if scale is None else (lambda out, y: loss_fn(out, y) * scale)  # fp16: scaled backward
         # What the tied weight's gradient held before this step (DDP keeps an earlier step's reduced
@@ -102,9 +128,10 @@ class Pipeline:
         self.timeline = [] if self.record_timeline else self.timeline
         with strategy.no_sync():
             loss, self.peak_live_activations = run_schedule(
-                stage, actions, mesh, list(inputs.chunk(m)) if stage.first else None,
+                stage, schedule, mesh, list(inputs.chunk(m)) if stage.first else None,
                 list(targets.chunk(m)) if stage.last else None, stage_loss, act_shape,
-                next(stage.parameters()).dtype, timeline=self.timeline if self.record_timeline else None)
+                next(stage.parameters()).dtype, timeline=self.timeline if self.record_timeline else None,
+                grad_group=self.grad_group)
         sync_tied_grads(stage, mesh, self.tied_shape, already_summed=before)
         strategy.sync_grads()
         loss = loss.float().reshape(1) if scale is None else loss.float().reshape(1) / scale
