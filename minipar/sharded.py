@@ -103,7 +103,8 @@ class ShardedModule(nn.Module):
         strategy: "ddp", "zero1", "zero2", "zero3" (= "fsdp"), or a `DataParallelConfig` with the
             strategy's options (bucket size, mixed precision, CPU offload, zero3 wrap policy and resharding).
         tensor_parallel: a `TensorParallelConfig` (plan, sequence parallelism), used when tp > 1.
-        pipeline: a `PipelineConfig` (schedule, micro-batches, boundaries, timeline), used when pp > 1.
+        pipeline: a `PipelineConfig` (schedule: gpipe, 1f1b, interleaved_1f1b, zb_h1, zb_v;
+            micro-batches, virtual stages, boundaries, timeline), used when pp > 1.
         context_parallel: "ring" or "ulysses" (default ring) when the mesh has cp > 1: the cp ranks
             split each sequence (`minipar.context_parallel`); forward then takes this rank's tokens.
         activation_checkpointing: recompute chosen blocks in backward instead of keeping their
@@ -284,7 +285,8 @@ class ShardedModule(nn.Module):
 
     @property
     def peak_live_activations(self) -> int:
-        """The most micro-batches whose activations this stage held at once in the last step."""
+        """The most micro-batches whose activations this stage held at once in the last step (with
+        several chunks per rank: (micro-batch, chunk) pairs; under a split backward, held until W)."""
         return self.pipeline.peak_live_activations if self.pipeline is not None else 0
 
     @contextlib.contextmanager

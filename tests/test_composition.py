@@ -1,7 +1,7 @@
 """The composition matrix: every valid layout, proven equal to the single-process run.
 
 A layout picks one value per option: the data-parallel strategy, tp, sequence parallelism, pp and
-its schedule, mixture of experts (dense, MoE, MoE over ep=2), HSDP (dp_shard = dp / 2), the
+its schedule (GPipe, 1F1B, interleaved 1F1B, ZB-H1, ZB-V), mixture of experts (dense, MoE, MoE over ep=2), HSDP (dp_shard = dp / 2), the
 precision, activation checkpointing, context parallelism (cp 2 or 4, ring or Ulysses) and the model
 (minipar's GPT, or its Llama-style form: rotary positions, RMSNorm, SwiGLU), on 4 or 8
 ranks. `all_layouts` lists every combination that
@@ -53,7 +53,7 @@ OPTIONS = {
     "tp": (1, 2),
     "sp": (False, True),
     "pp": (1, 2),
-    "schedule": (None, "1f1b", "gpipe"),
+    "schedule": (None, "1f1b", "gpipe", "interleaved_1f1b", "zb_h1", "zb_v"),
     "moe": ("dense", "moe", "moe_ep2"),
     "hsdp": (False, True),
     "precision": ("fp32", "bf16"),
@@ -118,7 +118,9 @@ MATRIX = ALL if os.environ.get("HYPOTHESIS_PROFILE") == "long" else SAMPLE
 
 
 def _model_cfg(c: dict, dp: int, m: int) -> tuple[type, dict]:
-    cfg = dict(vocab_size=16, block_size=8, n_layer=2, n_head=2, n_embd=8, tie_weights=True, dropout=0.0, seed=11)
+    chunks = 2 if c["schedule"] in ("interleaved_1f1b", "zb_v") else 1  # pieces per rank: a block each
+    cfg = dict(vocab_size=16, block_size=8, n_layer=2 * chunks, n_head=2, n_embd=8, tie_weights=True, dropout=0.0,
+               seed=11)
     if c["model"] == "llama":
         cfg.update(norm="rmsnorm", mlp="swiglu", pos="rope")
     if c["cp"] > 1:  # Ulysses gives each cp rank heads / (tp * cp) of the heads

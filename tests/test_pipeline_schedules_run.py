@@ -15,7 +15,6 @@ schedule; the data-parallel sync still runs once per step, after the last W.
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.nn as nn
 from hypothesis import example, given, strategies as st
