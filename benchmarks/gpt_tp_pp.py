@@ -60,7 +60,13 @@ bf16: a bf16 forward rounds every activation to 8 significant bits).
 
 Results go to OUT/gpt_tp_pp.json; the last step's timeline to OUT/trace.json
 (open in chrome://tracing or Perfetto) and, when matplotlib is installed,
-OUT/timeline.png.
+OUT/timeline.png: one row per stage (its first rank), F/B/W coloured and each
+chunk shaded, titled with that timeline's measured bubble beside the
+schedule's exact one from ``minipar.pipeline.simulate`` (unit costs, free
+communication); both are printed and kept in the JSON as "timeline_bubble".
+``--schedule`` takes every schedule of ``minipar.pipeline.SCHEDULES``;
+``--virtual-stages`` sets interleaved_1f1b's chunks per rank (default 2; the
+model needs at least pp x chunks layers: zb_v's two chunks need 2 x pp).
 
 With ``--checkpoint-dir DIR`` it saves a sharded checkpoint (``minipar.checkpoint``)
 every ``--checkpoint-every`` steps and after the last, and when started again
@@ -88,7 +94,8 @@ from minipar import MixedPrecision, ShardedModule, checkpoint
 from minipar.models import GPT, GPTConfig, MoEGPT, MoEGPTConfig, gpt_loss
 from minipar.models.data import markov_batch
 from minipar.moe import moe_layers
-from minipar.pipeline import RankTimeline, draw_timeline, write_trace
+from minipar.pipeline import SCHEDULES, RankTimeline, chunks_per_rank, simulate, write_trace
+from minipar.pipeline.timeline import draw_timeline, measured_bubble
 
 PRESETS = {
     "tiny": dict(n_layer=4, n_embd=128, n_head=4, vocab=256, seq=64),
@@ -110,7 +117,10 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--cp", type=int, default=1, help="context-parallel size: the ranks that split each sequence")
     ap.add_argument("--context-parallel", default="ring", choices=("ring", "ulysses"),
                     help="how the cp ranks attend over the split sequence (with --cp 2 or more)")
-    ap.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe"))
+    ap.add_argument("--schedule", default="1f1b", choices=tuple(SCHEDULES))
+    ap.add_argument("--virtual-stages", type=int, default=None,
+                    help="model chunks per rank for --schedule interleaved_1f1b (default 2); "
+                         "every other schedule has a fixed count (zb_v 2, the rest 1)")
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--batch", type=int, default=8, help="sequences per data-parallel rank per step")
@@ -154,6 +164,9 @@ def parse_args() -> argparse.Namespace:
             ap.error(f"--context-parallel ulysses gives each cp rank heads / cp of a tp rank's heads, but "
                      f"{args.n_head} heads over --tp {args.tp} do not divide by --cp {args.cp}; choose "
                      f"--n-head divisible by tp x cp = {args.tp * args.cp}, or --context-parallel ring")
+    if args.virtual_stages is not None and args.virtual_stages != chunks_per_rank(args.schedule, args.virtual_stages):
+        ap.error(f"--virtual-stages {args.virtual_stages}: --schedule {args.schedule} holds "
+                 f"{chunks_per_rank(args.schedule)} chunk(s) per rank; use --schedule interleaved_1f1b for more")
     if args.moe and args.dtype == "bf16":
         ap.error("--moe trains with strategy='ddp' in fp32 (ZeRO does not shard experts yet); drop --dtype bf16")
     if args.check_bubble is not None and args.pp < 2:
@@ -169,13 +182,13 @@ def bf16_policy() -> MixedPrecision:
 
 def build_model(build, cfg, mesh, args, dtype: str) -> tuple[ShardedModule, object]:
     context = getattr(args, "context_parallel", None) if mesh.cp > 1 else None  # soak.py's args have no cp
+    pipeline = dict(schedule=args.schedule, microbatches=args.microbatches,
+                    virtual_stages=getattr(args, "virtual_stages", None), record_timeline=True)
     if dtype == "bf16":  # ZeRO-1: fp32 masters sharded over dp (x cp), bf16 compute, fp32 gradient reduction
         model = ShardedModule(build(cfg), mesh=mesh, strategy="zero1", mixed_precision=bf16_policy(),
-                              schedule=args.schedule, microbatches=args.microbatches, record_timeline=True,
-                              context_parallel=context)
+                              context_parallel=context, **pipeline)
     else:
-        model = ShardedModule(build(cfg), mesh=mesh, schedule=args.schedule, microbatches=args.microbatches,
-                              record_timeline=True, context_parallel=context)
+        model = ShardedModule(build(cfg), mesh=mesh, context_parallel=context, **pipeline)
     return model, model.build_optimizer(torch.optim.AdamW, lr=args.lr, weight_decay=0.1)
 
 
@@ -238,7 +251,7 @@ def bubble_of_step(ranks: list[dict], step: int, stages: int) -> tuple[float, di
     window = max(e for _, _, e in events) - min(s for _, s, _ in events)
     busy: dict[int, list[float]] = {s: [] for s in range(stages)}
     for r in ranks:  # every rank of a stage (its tp and dp peers) counts: their mean is the stage's
-        compute = sum(e - s for a, s, e in r["steps"][step] if a[:1] in ("F", "B"))
+        compute = sum(e - s for a, s, e in r["steps"][step] if a[:1] in ("F", "B", "W"))  # W: zb_h1, zb_v
         busy[r["stage"]].append(compute / window)
     per_stage = {s: statistics.mean(v) for s, v in busy.items()}
     return 1 - statistics.mean(per_stage.values()), per_stage
@@ -423,14 +436,25 @@ def main() -> int:
                 print(f"| bf16 run vs the fp32 reference | largest relative loss difference {bf16_rel:.2e} "
                       f"(allowed {BF16_RTOL}): {'ok' if bf16_rel <= BF16_RTOL else 'MISMATCH'} |")
         os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "gpt_tp_pp.json"), "w") as f:
-            json.dump(result, f, indent=2)
         if p > 1:
+            # The last step's timeline, one row per stage, beside the simulator's exact bubble of the
+            # schedule (unit costs, free communication).
             rows = [RankTimeline(r["stage"], r["rank"], r["steps"][-1]) for r in everyone]
+            chunks = chunks_per_rank(args.schedule, args.virtual_stages)
+            theory = float(simulate(SCHEDULES[args.schedule](p, m, chunks))["bubble"])
+            measured = measured_bubble(rows)
+            print(f"| bubble of the drawn timeline (last step, one rank per stage) | measured {measured:.3f} "
+                  f"beside {args.schedule}'s simulated {theory:.3f} |")
+            result["timeline_bubble"] = {"measured": measured, "theory": theory}
+            title = (f"pp={p} tp={mesh.tp} dp={mesh.dp}" + (f" cp={mesh.cp}" if mesh.cp > 1 else "")
+                     + f", {args.schedule}" + (f" v={chunks}" if chunks > 1 else "") + f", m={m}")
             trace = write_trace(rows, os.path.join(args.out, "trace.json"))
-            print(f"timeline: {trace}; {draw_timeline(rows, os.path.join(args.out, 'timeline.png'))}")
+            png = draw_timeline(rows, os.path.join(args.out, "timeline.png"), title=title, theory_bubble=theory)
+            print(f"timeline: {trace}; {png}")
         else:
             print("timeline: none written (pp=1: no pipeline schedule to draw)")
+        with open(os.path.join(args.out, "gpt_tp_pp.json"), "w") as f:
+            json.dump(result, f, indent=2)
         for why in failures:
             print(f"FAILED: {why}")
         status = 1 if failures else 0
