@@ -28,7 +28,8 @@ any of their fields):
     medium  12 layers, n_embd 768, 12 heads, vocab 50304, seq 1024 (GPT-2 small, ~124M)
 
 It prints progress, then a table: median step time, tokens/s, each stage's
-busy fraction and the measured bubble beside (p-1)/(m+p-1), communication
+busy fraction and the measured bubble beside the schedule's theory (the
+simulator's exact fraction with unit costs: (p-1)/(m+p-1) for GPipe and 1F1B), communication
 bytes per step by kind, every rank's memory, and the MFU on a GPU. The busy
 fractions and the bubble are medians over the steady steps (all but the
 first three): a stage is busy while it runs forwards and backwards, and the
@@ -135,7 +136,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--check-steps", type=int, default=3)
     ap.add_argument("--tolerance", type=float, default=1e-4, help="largest fp32 loss difference to the reference")
     ap.add_argument("--check-bubble", type=float, default=None, metavar="PCT",
-                    help="exit 1 if the measured bubble is more than PCT percent away from (p-1)/(m+p-1)")
+                    help="exit 1 if the measured bubble is more than PCT percent away from the schedule's theory")
     ap.add_argument("--peak-tflops", type=float, default=None, help="one GPU's peak bf16 TFLOP/s, for the MFU")
     ap.add_argument("--out", default="results")
     ap.add_argument("--checkpoint-dir", default=None, help="save checkpoints here; resume from the newest")
@@ -396,14 +397,19 @@ def main() -> int:
         print(f"| median step time (steps {STEADY_FROM}+) | {median * 1e3:.1f} ms |")
         print(f"| tokens / s | {tokens_per_s:.0f} |")
         if p > 1:
-            theory = (p - 1) / (m + p - 1)
+            # the schedule's idle share with equal stages and free communication: the simulator's,
+            # which is (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v*m+p-1) interleaved, (p-1)/(3m+p-1) ZB-H1
+            chunks = chunks_per_rank(args.schedule, getattr(args, "virtual_stages", None))
+            theory = float(simulate(SCHEDULES[args.schedule](p, m, chunks))["bubble"])
+            formula = {"gpipe": "(p-1)/(m+p-1)", "1f1b": "(p-1)/(m+p-1)", "interleaved_1f1b": "(p-1)/(v*m+p-1)",
+                       "zb_h1": "(p-1)/(3m+p-1)"}.get(args.schedule, "the simulated schedule")
             per_step = [bubble_of_step(everyone, k, p) for k in range(len(everyone[0]["steps"]))]
             bubble = statistics.median(b for b, _ in per_step)
             busy = {s: statistics.median(b[s] for _, b in per_step) for s in range(p)}
             rel = (bubble - theory) / theory
             for s in range(p):
                 print(f"| stage {s} busy fraction (median over steps) | {busy[s]:.2f} |")
-            print(f"| measured bubble (median over {len(per_step)} steps) | {bubble:.3f} beside (p-1)/(m+p-1) = "
+            print(f"| measured bubble (median over {len(per_step)} steps) | {bubble:.3f} beside {formula} = "
                   f"{theory:.3f}: {rel:+.0%} |")
             result.update(busy=busy, bubble=bubble, bubble_per_step=[b for b, _ in per_step], bubble_theory=theory,
                           bubble_rel_diff=rel)
