@@ -1,0 +1,368 @@
+"""The memory and communication arithmetic of every layout, in one place.
+
+The tests prove these figures equal to what minipar measures (`memory_stats()`, the bytes the
+collective layer counts), and the planner (`minipar.plan`) uses the same functions at scale, so a
+prediction for 1,024 GPUs rests on arithmetic checked on 4 CPU processes.
+
+Parameters are described by `ParamSet`: tensors (real ones, or ``meta`` stand-ins of the right
+size for a model that does not fit anywhere), which are experts', and the ZeRO-3 units. The
+sharded strategies' flat groups are built by the very functions the strategies use
+(`minipar.ddp.bucket_params`, `minipar.flat.FlatLayout`, `minipar.units`), so padding (each group
+rounded up to a multiple of its shard count) comes out exactly.
+
+Byte conventions are the collective layer's (`minipar.comm`): ``bytes`` is the full tensor a call
+is about (all-reduce: the tensor; reduce-scatter: the full input; all-gather: the full output;
+all-to-all and send: what this rank sends), ``wire`` what the ring algorithm puts on the wire:
+all-reduce 2(n-1)/n B, reduce-scatter and all-gather (n-1)/n B, send B, recv 0. A group of one
+rank issues nothing.
+
+State bytes per rank (Φ parameters on the rank, N the shard count, AdamW):
+
+    strategy   params      grads       optimizer (fp32 masters + two moments + a 4-byte step per tensor)
+    ddp        4Φ          4Φ          8Φ                  (minipar's DDP computes in fp32)
+    zero1      pΦ          gΦ          (12 or 8)Φ/N        p, g: compute and reduce dtype bytes (4 or 2)
+    zero2      pΦ          gΦ/N        (12 or 8)Φ/N        the master is the shard itself in fp32 (8),
+    zero3      pΦ/N        gΦ/N        (12 or 8)Φ/N        a separate fp32 copy under bf16 (12)
+
+each Φ/N being Σ over flat groups of ceil(numel / N) (ZeRO-3's params and grads, ZeRO-2's grads)
+or of the group's real part on this rank (the optimizer), and ZeRO-1/2's full flat buffers padded
+to a multiple of N.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import NamedTuple, Sequence
+
+import torch
+import torch.nn as nn
+
+from .ddp import bucket_params
+from .flat import FlatLayout
+from .placement import placement_of
+from .units import assign_params, select_units
+
+ADAMW_STATE = 8   # bytes per element: exp_avg and exp_avg_sq in fp32
+STEP_BYTES = 4    # torch's AdamW keeps a 0-dim fp32 "step" tensor per parameter tensor it steps
+
+
+def dtype_bytes(dtype: torch.dtype | int | str) -> int:
+    """Bytes per element of a torch dtype, a name ("fp32", "bf16", "fp16") or a byte count."""
+    if isinstance(dtype, int):
+        return dtype
+    if isinstance(dtype, str):
+        return {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}[dtype]
+    return torch.empty((), dtype=dtype).element_size()
+
+
+# -- what is sharded ----------------------------------------------------------------------------
+
+
+@dataclass
+class ParamSet:
+    """One rank's trainable parameters as its data-parallel strategy sees them.
+
+    tensors: in registration order (real parameters or ``meta`` tensors of their size, fp32);
+    expert: per tensor, whether it is an expert's (sharded over edp rather than dp);
+    units: ZeRO-3's units, each a list of indices into ``tensors``, the root unit last.
+    """
+
+    tensors: list[torch.Tensor]
+    expert: list[bool]
+    units: list[list[int]] = field(default_factory=list)
+    has_root: bool = True  # the last unit is the root (what no wrapped module owns), not a wrapped module
+
+    @classmethod
+    def of(cls, module: nn.Module, wrap_policy=None) -> "ParamSet":
+        """The parameters of ``module`` (after tensor/expert parallelism cut them), units as ZeRO-3 cuts them."""
+        params = [p for _, p in module.named_parameters() if p.requires_grad]
+        index = {id(p): i for i, p in enumerate(params)}
+        units = [[index[id(p)] for p in ps] for ps in assign_params(module, select_units(module, wrap_policy))]
+        return cls(params, [placement_of(p).expert for p in params], [u for u in units if u], bool(units[-1]))
+
+    @classmethod
+    def of_sizes(cls, blocks: Sequence[Sequence[tuple[int, bool]]], root: Sequence[tuple[int, bool]],
+                 root_first: int = 0) -> "ParamSet":
+        """From sizes: ``blocks`` (one ZeRO-3 unit each, [(numel, expert)]), ``root`` (the rest); the first
+        ``root_first`` root tensors are registered before the blocks (embeddings), the others after."""
+        order = list(root[:root_first]) + [t for b in blocks for t in b] + list(root[root_first:])
+        tensors = [torch.empty(n, device="meta") for n, _ in order]
+        units, i = [], root_first
+        for b in blocks:
+            units.append(list(range(i, i + len(b))))
+            i += len(b)
+        units.append(list(range(root_first)) + list(range(i, len(order))))
+        return cls(tensors, [e for _, e in order], [u for u in units if u])
+
+    @property
+    def numel(self) -> int:
+        return sum(t.numel() for t in self.tensors)
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    """A data-parallel strategy over its axes, as the planner and the tests describe it.
+
+    dp: the ranks gradients are averaged over (dp x cp); shard: the dense shard axis (dp_shard x cp
+    under HSDP, else dp); edp: the experts' shard axis; param/grad: compute and reduce dtype bytes
+    (4/4: fp32; 2/2: bf16 with fp32 masters); rank / edp_rank: this rank's index on the shard axes
+    (the real part of a padded group's last shard is shorter)."""
+
+    strategy: str
+    dp: int
+    shard: int | None = None
+    edp: int = 1
+    param: int = 4
+    grad: int | None = None
+    offload: bool = False
+    bucket_cap_mb: float = 25.0
+    reshard_after_forward: bool = True
+    rank: int = 0
+    edp_rank: int = 0
+
+    @property
+    def shards(self) -> int:
+        return self.shard or self.dp
+
+    @property
+    def replicas(self) -> int:
+        return self.dp // self.shards
+
+    @property
+    def grad_bytes(self) -> int:
+        return self.grad or self.param
+
+    @property
+    def shard_axis(self) -> str:
+        return "dp_shard" if self.replicas > 1 else "dp"
+
+
+class Group(NamedTuple):
+    """One flat group (a ZeRO-1/2 bucket, a ZeRO-3 unit's part, a DDP bucket) on its axis."""
+
+    layout: FlatLayout
+    axis: str
+
+
+def flat_groups(ps: ParamSet, dp: DataParallel) -> list[Group]:
+    """The strategy's flat groups, built as the strategy builds them: DDP and ZeRO-1/2 bucket the
+    parameters in backward order, dense ones first (over dp, or dp_shard), experts after (over edp);
+    ZeRO-3 makes one part per unit and axis."""
+    axes = {False: (dp.shard_axis, dp.shards, dp.rank), True: ("edp", dp.edp, dp.edp_rank)}
+    if dp.strategy == "ddp":
+        axes = {False: ("dp", dp.dp, 0), True: ("edp", dp.edp, 0)}  # DDP shards nothing: numel only
+
+    def group(indices: list[int], expert: bool) -> Group:
+        axis, n, rank = axes[expert]
+        return Group(FlatLayout([], sum(ps.tensors[i].numel() for i in indices), n, rank), axis)
+
+    if dp.strategy in ("zero3", "fsdp"):
+        return [group([i for i in unit if ps.expert[i] == e], e)
+                for unit in ps.units for e in dict.fromkeys(ps.expert[i] for i in unit)]
+    cap = max(1, int(dp.bucket_cap_mb * 2**20))
+    out = []
+    for expert in (False, True):
+        order = [i for i in reversed(range(len(ps.tensors))) if ps.expert[i] == expert]
+        by_id = {id(ps.tensors[i]): i for i in order}
+        for bucket in bucket_params([ps.tensors[i] for i in order], cap):
+            out.append(group([by_id[id(t)] for t in bucket], expert))
+    return out
+
+
+def state_bytes(ps: ParamSet, dp: DataParallel, optimizer: str = "adamw") -> dict[str, int]:
+    """{"params", "grads", "optimizer"}: the persistent bytes `memory_stats()` reports on this rank
+    (``optimizer``: "adamw", or "sgd" without momentum: no state)."""
+    adam = optimizer == "adamw"
+    if dp.strategy == "ddp":
+        n = ps.numel
+        return {"params": n * dp.param, "grads": n * dp.param,
+                "optimizer": (ADAMW_STATE * n + STEP_BYTES * len(ps.tensors)) if adam else 0}
+    zero3 = dp.strategy in ("zero3", "fsdp")
+    separate_master = dp.param != 4 or dp.offload  # else the fp32 shard itself is the master
+    params = grads = opt = 0
+    for g in flat_groups(ps, dp):
+        lay = g.layout
+        params += (lay.shard_size if zero3 else lay.padded) * dp.param
+        grads += (lay.padded if dp.strategy == "zero1" else lay.shard_size) * dp.grad_bytes
+        opt += 4 * lay.real_len if separate_master else 0
+        opt += (ADAMW_STATE * lay.real_len + STEP_BYTES) if adam else 0
+    return {"params": params, "grads": grads, "optimizer": opt}
+
+
+def shard_formula(strategy: str, phi: float, n: int, param: int = 4, grad: int | None = None) -> dict[str, float]:
+    """The ZeRO paper's closed form per rank, without padding or step counters (AdamW): params,
+    grads, optimizer bytes for Φ parameters over N ranks."""
+    g = grad or param
+    master_and_moments = ADAMW_STATE + (4 if param != 4 else 0)
+    shard = {"ddp": (1, 1, 1), "zero1": (1, 1, n), "zero2": (1, n, n), "zero3": (n, n, n), "fsdp": (n, n, n)}[strategy]
+    return {"params": param * phi / shard[0], "grads": g * phi / shard[1],
+            "optimizer": master_and_moments * phi / shard[2]}
+
+
+# -- communication ------------------------------------------------------------------------------
+
+
+class Call(NamedTuple):
+    """One collective as the collective layer records it on this rank."""
+
+    op: str
+    axis: str
+    tag: str
+    bytes: int
+    wire: int
+
+
+def wire_bytes(op: str, n: int, payload: int) -> int:
+    """What one call puts on the wire from this rank under the ring algorithm (see the module docstring)."""
+    factor = {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n, "all_gather": (n - 1) / n,
+              "broadcast": 1, "send": 1, "recv": 0, "all_to_all": (n - 1) / n}[op]
+    return int(round(factor * payload))
+
+
+def call(op: str, axis: str, n: int, tag: str, payload: int) -> list[Call]:
+    """[the call], or [] for a group of one (which issues nothing)."""
+    return [] if n == 1 else [Call(op, axis, tag, int(payload), wire_bytes(op, n, payload))]
+
+
+def dp_calls(ps: ParamSet, dp: DataParallel, backwards: int = 1, pipeline: bool = False) -> list[Call]:
+    """The gradient ("grad") and parameter ("param") traffic of one optimizer step of ``backwards``
+    micro-batches (no_sync on all but the last, as `ShardedModule` accumulates).
+
+    DDP and ZeRO-1 reduce once per step; ZeRO-2 and ZeRO-3 at every backward, except under a pipeline
+    (once, from p.grad). ZeRO-1/2 all-gather each group after the step. ZeRO-3 gathers the root unit
+    once per forward, every other unit once per forward and again in backward when it reshards after
+    forward (under a pipeline, where it does not: once per step). HSDP all-reduces each gradient shard
+    over the replicas once per step."""
+    groups, out = flat_groups(ps, dp), []
+    sizes = {"dp": dp.dp, "dp_shard": dp.shards, "edp": dp.edp}
+    if dp.strategy == "ddp":
+        for g in groups:
+            out += call("all_reduce", g.axis, sizes[g.axis], "grad", g.layout.numel * dp.param)
+        return out
+    zero3 = dp.strategy in ("zero3", "fsdp")
+    reductions = 1 if dp.strategy == "zero1" or pipeline else backwards
+    for g in groups:
+        n = sizes[g.axis]
+        out += call("reduce_scatter", g.axis, n, "grad", g.layout.padded * dp.grad_bytes) * reductions
+        if g.axis == "dp_shard":
+            out += call("all_reduce", "dp_replicate", dp.replicas, "grad", g.layout.shard_size * dp.grad_bytes)
+        if not zero3:
+            out += call("all_gather", g.axis, n, "param", g.layout.padded * dp.param)
+    if zero3:
+        part = 0
+        for u, unit in enumerate(ps.units):
+            kinds = list(dict.fromkeys(ps.expert[i] for i in unit))
+            is_root = ps.has_root and u == len(ps.units) - 1
+            if pipeline:
+                gathers = 1
+            else:
+                gathers = backwards * (1 if is_root or not dp.reshard_after_forward else 2)
+            for _ in kinds:
+                g = groups[part]
+                part += 1
+                out += call("all_gather", g.axis, sizes[g.axis], "param", g.layout.padded * dp.param) * gathers
+    return out
+
+
+def tp_calls(layers: int, act_bytes: int, tp: int, sequence_parallel: bool, backward: bool = True,
+             norms_bytes: int = 0, pos_grad_bytes: int = 0) -> list[Call]:
+    """Tensor parallelism's activation traffic ("tp") for a GPT of ``layers`` blocks, one forward and
+    backward; ``act_bytes``: one full (batch, seq, hidden) activation. Without sequence parallelism:
+    the vocab-parallel embedding's all-reduce, then two per block (after attention and after the
+    MLP), the same two per block backward plus the LM head's input gradient. With it each all-reduce
+    becomes a reduce-scatter and an all-gather of the same full tensor (the first all-gather and the
+    last reduce-scatter bracket the blocks). ``pos_grad_bytes``: the sequence-sharded learned position
+    table's gradient, all-gathered in backward; ``norms_bytes``: each norm's (weight, bias) partial
+    gradient, all-reduced ("sp_grad", not counted here)."""
+    if not sequence_parallel:
+        fwd = call("all_reduce", "tp", tp, "tp", act_bytes) * (1 + 2 * layers)
+        bwd = call("all_reduce", "tp", tp, "tp", act_bytes) * (2 * layers + 1)
+    else:
+        pair = call("all_gather", "tp", tp, "tp", act_bytes) + call("reduce_scatter", "tp", tp, "tp", act_bytes)
+        fwd = call("reduce_scatter", "tp", tp, "tp", act_bytes) + pair * 2 * layers + \
+            call("all_gather", "tp", tp, "tp", act_bytes)
+        bwd = pair * (2 * layers + 1) + (call("all_gather", "tp", tp, "tp", pos_grad_bytes) if pos_grad_bytes else [])
+    return fwd + (bwd if backward else [])
+
+
+def pp_calls(stage: int, stages: int, microbatches: int, act_bytes: int) -> list[Call]:
+    """One pipeline step's sends of stage ``stage``: each micro-batch's output activation forward
+    ("pp_act", all but the last stage) and its input gradient backward ("pp_grad", all but the first);
+    ``act_bytes``: one micro-batch's (micro_batch, seq / tp under sp, hidden) activation."""
+    out = []
+    if stage < stages - 1:
+        out += call("send", "pp", stages, "pp_act", act_bytes) * microbatches
+    if stage > 0:
+        out += call("send", "pp", stages, "pp_grad", act_bytes) * microbatches
+    return out
+
+
+def ring_bytes(batch: int, heads: int, seq_len: int, head_dim: int, cp: int, dtype) -> dict:
+    """Bytes each rank sends per ring-attention layer: {"forward": ..., "backward": ...}.
+
+    One block (K or V, or dK or dV) is B·H·(T/C)·D elements. The forward sends K and V on each of C-1
+    hops; the backward sends them again on C-1 hops and the dK/dV accumulators on C (the last hop
+    returns each to its owner). With C = 1 nothing is sent.
+    """
+    if cp == 1:
+        return {"forward": 0, "backward": 0}
+    block = batch * heads * (seq_len // cp) * head_dim * dtype_bytes(dtype)
+    return {"forward": (cp - 1) * 2 * block, "backward": (cp - 1) * 2 * block + cp * 2 * block}
+
+
+def ulysses_calls(layers: int, batch: int, heads: int, seq_len: int, head_dim: int, cp: int, dtype) -> list[Call]:
+    """Ulysses: per layer four all-to-alls forward (q, k, v to heads; the output back to tokens) and
+    four backward, each of one (batch, heads, seq / cp, head_dim) tensor ("cp")."""
+    block = batch * heads * (seq_len // cp) * head_dim * dtype_bytes(dtype)
+    return call("all_to_all", "cp", cp, "cp", block) * (8 * layers)
+
+
+def ep_bytes(tokens: int, top_k: int, hidden: int, dtype, moe_layers: int) -> int:
+    """Bytes one rank puts into the MoE all-to-alls of a step, averaged over the ep group (no token
+    dropped): per MoE layer it dispatches tokens·k rows forward and combines as many back; backward
+    sends the gradients of both. Each rank's share depends on routing; the group's mean does not."""
+    return 4 * tokens * top_k * hidden * dtype_bytes(dtype) * moe_layers
+
+
+def summarize(calls: Sequence[Call]) -> dict[str, dict[str, int]]:
+    """{axis: {"bytes", "wire"}} summed over ``calls``."""
+    out: dict[str, dict[str, int]] = {}
+    for c in calls:
+        row = out.setdefault(c.axis, {"bytes": 0, "wire": 0})
+        row["bytes"] += c.bytes
+        row["wire"] += c.wire
+    return out
+
+
+# -- activations and compute (closed forms) -----------------------------------------------------
+
+
+def layer_activation_bytes(tokens: int, hidden: int, kv_hidden: int, ffn: int, act: int, tp: int = 1,
+                           sequence_parallel: bool = True, gated: bool = True) -> int:
+    """Bytes one transformer block saves for backward on one rank, for ``tokens`` tokens (micro-batch
+    × sequence / cp), flash attention (no score matrix kept) and no dropout.
+
+    Attention: its norm's input, q/k/v's input, q, k and v, the attention output (o_proj's input);
+    the MLP: its norm's input, up/gate's input, their outputs and the product (proj's input). Under
+    tensor parallelism what is split by heads or features is /tp; the norms' and the projections'
+    inputs are /tp only with sequence parallelism (Korthikanti et al. 2022, who count 34·s·b·h for
+    a GPT-3 block with the 4h GELU MLP in 16-bit)."""
+    replicated = 4 * hidden  # two norm inputs, two projection inputs (attention's qkv, the MLP's up)
+    split = 2 * hidden + 2 * kv_hidden + (3 if gated else 2) * ffn  # q, out, k, v; up, (gate), product
+    per_token = replicated / (tp if sequence_parallel else 1) + split / tp
+    return int(tokens * per_token * act)
+
+
+def training_flops(params_active: float, tokens: int, layers: int, seq: int, hidden: int,
+                   recompute: bool = False) -> float:
+    """6 N per token (forward 2N, backward 4N) plus causal attention's 6·L·s·h (12·L·s·h halved by
+    the mask); full recomputation repeats the forward: 8 N and 8·L·s·h."""
+    mult = 8 if recompute else 6
+    return tokens * (mult * params_active + mult * layers * seq * hidden)
+
+
+def bubble_fraction(stages: int, microbatches: int, chunks: int = 1) -> float:
+    """1F1B's and GPipe's idle share of a step, (p - 1) / (m + p - 1); interleaved with v chunks per
+    rank, (p - 1) / (v·m + p - 1) (Narayanan et al. 2021; `minipar.pipeline.simulate` proves both)."""
+    return (stages - 1) / (chunks * microbatches + stages - 1)
