@@ -104,8 +104,8 @@ class ParamSet:
 class DataParallel:
     """A data-parallel strategy over its axes, as the planner and the tests describe it.
 
-    dp: the ranks gradients are averaged over (dp x cp); shard: the dense shard axis (dp_shard x cp
-    under HSDP, else dp); edp: the experts' shard axis; param/grad: compute and reduce dtype bytes
+    dp: the ranks gradients are averaged over (dp x cp: cp names the axis "dp_cp" when > 1); shard:
+    the dense shard axis (dp_shard x cp under HSDP, else dp); edp: the experts' shard axis; param/grad: compute and reduce dtype bytes
     (4/4: fp32; 2/2: bf16 with fp32 masters); rank / edp_rank: this rank's index on the shard axes
     (the real part of a padded group's last shard is shorter)."""
 
@@ -120,6 +120,11 @@ class DataParallel:
     reshard_after_forward: bool = True
     rank: int = 0
     edp_rank: int = 0
+    cp: int = 1
+
+    @property
+    def grad_axis(self) -> str:
+        return "dp" if self.cp == 1 else "dp_cp"
 
     @property
     def shards(self) -> int:
@@ -135,7 +140,7 @@ class DataParallel:
 
     @property
     def shard_axis(self) -> str:
-        return "dp_shard" if self.replicas > 1 else "dp"
+        return "dp_shard" if self.replicas > 1 else self.grad_axis
 
 
 class Group(NamedTuple):
@@ -151,7 +156,7 @@ def flat_groups(ps: ParamSet, dp: DataParallel) -> list[Group]:
     ZeRO-3 makes one part per unit and axis."""
     axes = {False: (dp.shard_axis, dp.shards, dp.rank), True: ("edp", dp.edp, dp.edp_rank)}
     if dp.strategy == "ddp":
-        axes = {False: ("dp", dp.dp, 0), True: ("edp", dp.edp, 0)}  # DDP shards nothing: numel only
+        axes = {False: (dp.grad_axis, dp.dp, 0), True: ("edp", dp.edp, 0)}  # DDP shards nothing: numel only
 
     def group(indices: list[int], expert: bool) -> Group:
         axis, n, rank = axes[expert]
@@ -235,7 +240,7 @@ def dp_calls(ps: ParamSet, dp: DataParallel, backwards: int = 1, pipeline: bool 
     forward (under a pipeline, where it does not: once per step). HSDP all-reduces each gradient shard
     over the replicas once per step."""
     groups, out = flat_groups(ps, dp), []
-    sizes = {"dp": dp.dp, "dp_shard": dp.shards, "edp": dp.edp}
+    sizes = {dp.grad_axis: dp.dp, "dp_shard": dp.shards, "edp": dp.edp}
     if dp.strategy == "ddp":
         for g in groups:
             out += call("all_reduce", g.axis, sizes[g.axis], "grad", g.layout.numel * dp.param)
@@ -311,11 +316,19 @@ def ring_bytes(batch: int, heads: int, seq_len: int, head_dim: int, cp: int, dty
     return {"forward": (cp - 1) * 2 * block, "backward": (cp - 1) * 2 * block + cp * 2 * block}
 
 
+def ring_calls(layers: int, batch: int, heads: int, seq_len: int, head_dim: int, cp: int, dtype) -> list[Call]:
+    """`ring_bytes` as the calls: per layer, K and V stacked in one message per hop ("cp_kv"), C - 1
+    hops forward and C - 1 backward, then the dK/dV accumulators on C hops ("cp_kv_grad")."""
+    kv = 2 * batch * heads * (seq_len // cp) * head_dim * dtype_bytes(dtype)
+    hops = call("send", "cp", cp, "cp_kv", kv) * (2 * (cp - 1)) + call("send", "cp", cp, "cp_kv_grad", kv) * cp
+    return hops * layers
+
+
 def ulysses_calls(layers: int, batch: int, heads: int, seq_len: int, head_dim: int, cp: int, dtype) -> list[Call]:
     """Ulysses: per layer four all-to-alls forward (q, k, v to heads; the output back to tokens) and
-    four backward, each of one (batch, heads, seq / cp, head_dim) tensor ("cp")."""
+    four backward, each of one (batch, heads, seq / cp, head_dim) tensor ("cp_ulysses")."""
     block = batch * heads * (seq_len // cp) * head_dim * dtype_bytes(dtype)
-    return call("all_to_all", "cp", cp, "cp", block) * (8 * layers)
+    return call("all_to_all", "cp", cp, "cp_ulysses", block) * (8 * layers)
 
 
 def ep_bytes(tokens: int, top_k: int, hidden: int, dtype, moe_layers: int) -> int:

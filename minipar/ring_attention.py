@@ -44,6 +44,7 @@ import torch.nn.functional as F
 
 from .comm import AxisGroup, Comm
 from .regions import heads_to_seq, seq_to_heads
+from .formulas import ring_bytes  # noqa: F401  (the bytes each rank sends per layer; defined with the other formulas)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm, group: AxisGroup,
@@ -152,19 +153,6 @@ def score_elements(seq_len: int, cp: int, cp_rank: int, split: str = "zigzag") -
     else:
         raise ValueError(f"split must be 'zigzag' or 'contiguous', not {split!r}")
     return int((pos + 1).sum())
-
-
-def ring_bytes(batch: int, heads: int, seq_len: int, head_dim: int, cp: int, dtype: torch.dtype) -> dict:
-    """Bytes each rank sends per ring-attention layer: {"forward": ..., "backward": ...}.
-
-    One block (K or V, or dK or dV) is B·H·(T/C)·D elements. The forward sends K and V on each of C-1
-    hops; the backward sends them again on C-1 hops and the dK/dV accumulators on C (the last hop
-    returns each to its owner). With C = 1 nothing is sent.
-    """
-    if cp == 1:
-        return {"forward": 0, "backward": 0}
-    block = batch * heads * (seq_len // cp) * head_dim * torch.empty((), dtype=dtype).element_size()
-    return {"forward": (cp - 1) * 2 * block, "backward": (cp - 1) * 2 * block + cp * 2 * block}
 
 
 # -- the ring ---------------------------------------------------------------------------------------

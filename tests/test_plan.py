@@ -88,3 +88,85 @@ def test_data_parallel_state_and_traffic_equal_the_formulas(pools, strategy, pre
         assert sum(out["records"].values()) > 0
         assert out["memory"] == F.state_bytes(ps, dp), (out["memory"], F.state_bytes(ps, dp))
         assert out["records"] == _expected(F.dp_calls(ps, dp, backwards=microbatches)), out["records"]
+
+
+TP_CFG = dict(vocab_size=24, block_size=8, n_layer=2, n_head=2, n_embd=8, bias=True, seed=3)
+TAGS = {"grad", "param", "tp", "pp_act", "pp_grad", "cp_kv", "cp_kv_grad", "cp_ulysses"}
+
+
+def _layout_step(ctx, sizes, strategy, options, batch):
+    mesh = Mesh(**sizes)
+    sharded = ShardedModule(GPT(GPTConfig(**TP_CFG)), mesh=mesh, strategy=strategy, **options)
+    opt = sharded.build_optimizer(torch.optim.AdamW, lr=1e-3)
+    x = torch.randint(0, 24, (batch, 9), generator=torch.Generator().manual_seed(mesh.dp_rank))
+    with mesh.comm.counting() as stats:
+        sharded.train_step(x[:, :-1], x[:, 1:], sharded.cross_entropy)
+        opt.step()
+    ps = F.ParamSet.of(sharded.module)
+    info = dict(dp=mesh.dp, cp=mesh.cp, tp=mesh.tp, pp=mesh.pp, pp_rank=mesh.pp_rank,
+                shard_rank=mesh.group(mesh.shard_axis).rank, layers=sum(1 for _ in _blocks(sharded.module)))
+    out = dict(memory=sharded.memory_stats(), records=_counted(stats.records, TAGS), info=info,
+               ps=([t.numel() for t in ps.tensors], ps.expert, ps.units, ps.has_root))
+    mesh.destroy()
+    return out
+
+
+def _blocks(module):
+    return [m for n, m in module.named_modules() if type(m).__name__ == "Block"]
+
+
+def _predict(info, strategy, options, batch) -> list:
+    """The calls of one step on this rank, from the formulas alone."""
+    c, t, h = TP_CFG["n_embd"], TP_CFG["block_size"], TP_CFG["n_head"]
+    local_batch = batch  # each data-parallel rank's rows
+    cp, tp, pp = info["cp"], info["tp"], info["pp"]
+    m = options.get("microbatches", 1)
+    dp = F.DataParallel(strategy, info["dp"] * cp, bucket_cap_mb=options.get("bucket_cap_mb", 25.0),
+                        rank=info["shard_rank"], cp=cp)
+    ps = _paramset(info)
+    calls = F.dp_calls(ps, dp, pipeline=pp > 1)
+    if tp > 1:
+        sp = options.get("sequence_parallel", False)
+        calls += F.tp_calls(info["layers"], local_batch * t * c * 4, tp, sp, pos_grad_bytes=t * c * 4 if sp else 0)
+    if pp > 1:
+        calls += F.pp_calls(info["pp_rank"], pp, m, local_batch // m * t * c * 4)
+    if cp > 1:
+        form = options.get("context_parallel", "ring")
+        fn = F.ring_calls if form == "ring" else F.ulysses_calls
+        calls += fn(info["layers"], local_batch, h, t, c // h, cp, 4)
+    return calls
+
+
+LAYOUT_CASES = [  # (world, mesh sizes, strategy, options)
+    (2, dict(tp=2), "ddp", {}),
+    (4, dict(tp=2), "zero2", dict(sequence_parallel=True, bucket_cap_mb=1e-3)),
+    (2, dict(pp=2), "ddp", dict(microbatches=2)),
+    (4, dict(pp=2), "zero3", dict(microbatches=2)),
+    (4, dict(pp=2), "zero1", dict(microbatches=4, bucket_cap_mb=1e-3)),
+    (2, dict(cp=2), "ddp", dict(context_parallel="ring")),
+    (4, dict(cp=2), "zero2", dict(context_parallel="ulysses")),
+]
+
+
+@pytest.mark.parametrize("world, sizes, strategy, options", LAYOUT_CASES)
+def test_tp_pp_cp_layouts_state_and_traffic_equal_the_formulas(pools, world, sizes, strategy, options):
+    """tp (± sequence parallelism), pp (sends per micro-batch) and cp (ring hops, Ulysses all-to-alls),
+    each with a data-parallel strategy beside it: on every rank memory_stats() == state_bytes of its
+    own (tensor-parallel shard / stage of the) parameters, and the counted collectives of the step ==
+    dp_calls + tp_calls + pp_calls + ring_calls / ulysses_calls, exactly."""
+    batch = 4
+    for out in pools.run(world, _layout_step, sizes, strategy, options, batch):
+        info = out["info"]
+        info["ps"] = out["ps"]
+        dp = F.DataParallel(strategy, info["dp"] * info["cp"], bucket_cap_mb=options.get("bucket_cap_mb", 25.0),
+                            rank=info["shard_rank"], cp=info["cp"])
+        assert out["memory"] == F.state_bytes(_paramset(info), dp)
+        axis_tags = {"tp": {"tp"}, "pp": {"pp_act", "pp_grad"}, "cp": {"cp_kv", "cp_ulysses"}}
+        for axis in sizes:  # the axis's own traffic is there to compare
+            assert any(k[2] in axis_tags[axis] for k in out["records"]), out["records"]
+        assert out["records"] == _expected(_predict(info, strategy, options, batch)), (info, out["records"])
+
+
+def _paramset(info) -> F.ParamSet:
+    numels, expert, units, has_root = info["ps"]
+    return F.ParamSet([torch.empty(n, device="meta") for n in numels], expert, units, has_root)
