@@ -79,6 +79,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import minipar
 from minipar.models import GPT, GPTConfig, gpt_loss
+from minipar.formulas import shard_formula
 
 RATIO_GOAL, RATIO_LIMIT = 1.00, 1.25
 PAIRS = (("mp_zero1", "torch_zero1"), ("mp_zero3", "torch_fsdp2"))   # the timed comparisons
@@ -291,16 +292,17 @@ def measure_memory(side: Side) -> dict:
 
 
 def formulas(phi: int, n: int, mixed: bool) -> dict[str, tuple[float, float, float, str]]:
-    """{strategy: (params, grads, optimizer) bytes per rank, and the formula as text}."""
-    if mixed:
-        return {"ddp": (2 * phi, 2 * phi, 12 * phi, "2Φ + 2Φ + 12Φ = 16Φ"),
-                "zero1": (2 * phi, 2 * phi, 12 * phi / n, "2Φ + 2Φ + 12Φ/N"),
-                "zero2": (2 * phi, 2 * phi / n, 12 * phi / n, "2Φ + 2Φ/N + 12Φ/N"),
-                "zero3": (2 * phi / n, 2 * phi / n, 12 * phi / n, "16Φ/N")}
-    return {"ddp": (4 * phi, 4 * phi, 8 * phi, "4Φ + 4Φ + 8Φ = 16Φ"),
-            "zero1": (4 * phi, 4 * phi, 8 * phi / n, "4Φ + 4Φ + 8Φ/N"),
-            "zero2": (4 * phi, 4 * phi / n, 8 * phi / n, "4Φ + 4Φ/N + 8Φ/N"),
-            "zero3": (4 * phi / n, 4 * phi / n, 8 * phi / n, "16Φ/N")}
+    """{strategy: (params, grads, optimizer) bytes per rank, and the formula as text}
+    (`minipar.formulas.shard_formula`, the arithmetic the tests and the planner use)."""
+    text = {True: {"ddp": "2Φ + 2Φ + 12Φ = 16Φ", "zero1": "2Φ + 2Φ + 12Φ/N", "zero2": "2Φ + 2Φ/N + 12Φ/N",
+                   "zero3": "16Φ/N"},
+            False: {"ddp": "4Φ + 4Φ + 8Φ = 16Φ", "zero1": "4Φ + 4Φ + 8Φ/N", "zero2": "4Φ + 4Φ/N + 8Φ/N",
+                    "zero3": "16Φ/N"}}[mixed]
+    out = {}
+    for strategy, t in text.items():
+        f = shard_formula(strategy, phi, n, param=2 if mixed else 4)
+        out[strategy] = (f["params"], f["grads"], f["optimizer"], t)
+    return out
 
 
 def memory_rows(mem: dict[str, dict], phi: int, n: int, mixed: bool, keys: list[tuple[str, str, str]]) -> list:

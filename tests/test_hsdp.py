@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from minipar import Mesh, ShardedModule
+from minipar import Mesh, ShardedModule, formulas
 from minipar.models import GPT, GPTConfig, gpt_loss
 
 from helpers import EPS, LR, WD, accumulated_step, batches
@@ -155,13 +155,14 @@ def test_hsdp_memory_and_replica_traffic_match_the_formulas(pools, strategy, wor
     for out in pools.run(world, _accounting, strategy, dict(dp_shard=shard)):
         phi, mem = out["phi"], out["memory"]
         total = mem["params"] + mem["grads"] + mem["optimizer"]
-        formula = 16 * phi / shard if strategy == "zero3" else 4 * phi + 12 * phi / shard
-        assert abs(total - formula) <= 0.02 * formula, (mem, formula)
-        assert abs(mem["grads"] - 4 * phi / shard) <= 0.02 * 4 * phi / shard, mem
-        exact = 2 * out["shard_elements"] * 4 * (replicas - 1) / replicas
-        assert out["replica_wire"] == pytest.approx(exact, rel=1e-12), out
-        assert out["replica_wire"] == pytest.approx(2 * phi / shard * 4 * (replicas - 1) / replicas, rel=0.01)
-        assert out["shard_wire"] == pytest.approx(4 * phi * (shard - 1) / shard, rel=0.01)
+        formula = formulas.shard_formula(strategy, phi, shard)  # sharded over S ranks, not dp
+        assert abs(total - sum(formula.values())) <= 0.02 * sum(formula.values()), (mem, formula)
+        assert abs(mem["grads"] - formula["grads"]) <= 0.02 * formula["grads"], mem
+        exact = formulas.wire_bytes("all_reduce", replicas, out["shard_elements"] * 4)
+        assert out["replica_wire"] == pytest.approx(exact, abs=1), out
+        assert out["replica_wire"] == pytest.approx(formulas.wire_bytes("all_reduce", replicas, phi / shard * 4),
+                                                    rel=0.01)
+        assert out["shard_wire"] == pytest.approx(formulas.wire_bytes("reduce_scatter", shard, 4 * phi), rel=0.01)
 
 
 def _refused(ctx, sizes, strategy):

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from hypothesis import example, given, strategies as st
 
-from minipar import Mesh, ShardedModule
+from minipar import Mesh, ShardedModule, formulas
 from minipar.models import GPT, GPTConfig, gpt_loss
 from minipar.placement import placement_of
 from minipar.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, clip_grad_norm_,
@@ -162,18 +162,15 @@ def test_communication_per_layer_matches_theory(pools, sequence_parallel):
     b, t, c, layers = 3, 8, 8, 2
     act = b * t * c * 4  # bytes of one (batch, seq, hidden) fp32 activation
     fwd, bwd = pools.run(2, _volume, sequence_parallel)[0]
+    theory = [(x.op, x.bytes) for x in formulas.tp_calls(layers, act, 2, sequence_parallel,
+                                                          pos_grad_bytes=t * c * 4)]  # + wpe's gradient under sp
+    n_fwd = len(formulas.tp_calls(layers, act, 2, sequence_parallel, backward=False))
+    assert fwd == theory[:n_fwd]  # the embedding's reduction, two per layer, (sp) the head's gather, in order
     if not sequence_parallel:
-        # embedding all-reduce, then two per layer
-        assert fwd == [("all_reduce", act)] * (1 + 2 * layers)
-        assert bwd.count(("all_reduce", act)) == 2 * layers + 1, bwd  # + the LM head's input gradient
-        assert len(bwd) == 2 * layers + 1, bwd  # and nothing else
+        assert bwd == [("all_reduce", act)] * (2 * layers + 1), bwd  # + the LM head's input gradient; nothing else
     else:
-        per_layer_fwd = [("all_gather", act), ("reduce_scatter", act)] * 2
-        assert fwd == [("reduce_scatter", act)] + per_layer_fwd * layers + [("all_gather", act)]
         sp_grads = [r for r in bwd if r[1] == c * 4]  # norm weights' and biases' partial gradients
-        assert sorted(r for r in bwd if r not in sp_grads) == sorted(
-            [("all_gather", act), ("reduce_scatter", act)] * (2 * layers + 1)
-            + [("all_gather", t * c * 4)])  # + the position embedding's gradient
+        assert sorted(r for r in bwd if r not in sp_grads) == sorted(theory[n_fwd:])
         assert sp_grads == [("all_reduce", c * 4)] * (2 * layers + 1)  # ln_1, ln_2 per layer, ln_f
 
 
