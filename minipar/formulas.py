@@ -31,7 +31,6 @@ to a multiple of N.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import NamedTuple, Sequence
 

@@ -19,7 +19,6 @@ import torch
 from minipar import Mesh, MixedPrecision, ShardedModule
 from minipar import formulas as F
 from minipar.models import GPT, GPTConfig, gpt_loss
-from minipar.recompute import ActivationMemory  # noqa: F401  (the saved-tensor meter; see the activation test)
 
 CFG = dict(vocab_size=23, block_size=8, n_layer=2, n_head=3, n_embd=9, bias=True, seed=3)  # 2,475 parameters:
 # neither they nor most tensors divide by 2 or 4, so flat groups are padded
@@ -170,3 +169,54 @@ def test_tp_pp_cp_layouts_state_and_traffic_equal_the_formulas(pools, world, siz
 def _paramset(info) -> F.ParamSet:
     numels, expert, units, has_root = info["ps"]
     return F.ParamSet([torch.empty(n, device="meta") for n in numels], expert, units, has_root)
+
+
+# -- the planner and its command line ------------------------------------------------------------
+
+
+def _cli(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "minipar.plan", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_planner_json_lists_feasible_layouts_fastest_first():
+    """`--json` parses; every layout fits in memory, carries its memory and per-axis traffic, and
+    the list is sorted by predicted step time."""
+    out = _cli("--model", "gpt2-124m", "--gpus", "8", "--global-batch", "64", "--json")
+    assert out.returncode == 0, out.stderr
+    layouts = json.loads(out.stdout)["layouts"]
+    assert layouts and [r["step_s"] for r in layouts] == sorted(r["step_s"] for r in layouts)
+    for r in layouts:
+        assert r["fits"] and r["memory"]["total"] <= 0.9 * 80e9
+        assert set(r["memory"]) >= {"params", "grads", "optimizer", "activations", "activations_full",
+                                    "activations_recompute", "buffers"}
+        assert all(row["link"] in ("intra", "inter") for row in r["comm"].values())
+
+
+def test_planner_state_is_the_tested_formula():
+    """The planner's per-rank state for a layout is formulas.state_bytes of that rank's tensors: the
+    arithmetic the tests above prove, not a second copy (Llama-3-8B, zero3 over 8 ranks: 16 bytes
+    per parameter / 8, to within the padding and step counters)."""
+    from minipar.plan import Layout, evaluate
+    from minipar.plan.presets import H100, MODELS
+
+    model = MODELS["llama3-8b"]
+    r = evaluate(model, H100, 64, Layout(tp=1, pp=1, dp=8, strategy="zero3"))
+    dp = F.DataParallel("zero3", 8, param=2)
+    assert {k: r["memory"][k] for k in ("params", "grads", "optimizer")} == \
+        F.state_bytes(model.stage_params(1, 1, 1, 0), dp)
+    state = r["memory"]["params"] + r["memory"]["grads"] + r["memory"]["optimizer"]
+    assert state == pytest.approx(16 * model.params() / 8, rel=1e-4)
+    assert model.params() == 8_030_261_248  # Llama-3-8B's published count
+
+
+def test_explain_shows_the_arithmetic_and_refusals_say_why():
+    explained = _cli("--model", "gpt2-124m", "--gpus", "8", "--global-batch", "64", "--explain",
+                     "tp2.pp2.dp2.zero1.mbs2.rc")
+    assert explained.returncode == 0, explained.stderr
+    for needle in ("state_bytes", "bubble = compute · (pp - 1) / m", "on the wire", "step ="):
+        assert needle in explained.stdout, explained.stdout
+    bad = _cli("--model", "gpt2-124m", "--gpus", "8", "--explain", "tp3.pp1.dp2.zero1")  # 6 GPUs, not 8
+    assert "not a layout" in bad.stdout and "not the cluster's 8 GPUs" in bad.stdout, bad.stdout
+    nothing = _cli("--layers", "4", "--hidden", "4096", "--heads", "32", "--ffn", "14336", "--vocab", "128256",
+                   "--seq", "4096", "--gpus", "8", "--memory-gb", "1", "--global-batch", "8")
+    assert nothing.returncode == 1 and "nothing fits" in nothing.stdout and "GiB per GPU" in nothing.stdout, nothing.stdout

@@ -1,0 +1,241 @@
+"""The planner: which layouts of a model fit a cluster, and which is fastest, on paper.
+
+``plan(model, cluster, global_batch)`` enumerates layouts (tp up to a node, pp, cp, ep, a data-parallel
+strategy, micro-batch size, recomputation), predicts each one's per-rank memory and per-step
+communication with `minipar.formulas` (the arithmetic tests/test_plan.py proves equal to what minipar
+measures), drops those that do not fit, and ranks the rest by a roofline step time:
+
+    compute   = training FLOPs / (GPUs · peak · efficiency)        (6N per token, 8N with recomputation,
+                                                                   plus causal attention's 6·L·s·h)
+    bubble    = compute · (pp - 1) / m                             (1F1B: (p - 1) / (m + p - 1) of the step)
+    exposed   = tp + ep + pp traffic in full, cp beyond the attention it overlaps, dp beyond the
+                backward it overlaps (without a pipeline 2/3 of compute; under one, the last micro-batch's)
+    step      = compute + bubble + exposed
+
+each traffic figure being wire bytes over the bandwidth of its link class: a group whose ranks fit in
+one node talks over NVLink, any other over the network. ``python -m minipar.plan`` prints it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+
+from minipar import formulas as F
+
+from .presets import H100, MODELS, Cluster, ModelShape
+
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "hsdp")
+MEMORY_HEADROOM = 0.9  # allocator fragmentation and the framework's own buffers: plan for 90%
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int
+    pp: int
+    dp: int
+    cp: int = 1
+    ep: int = 1
+    strategy: str = "zero1"
+    micro_batch: int = 1
+    recompute: bool = False
+
+    @property
+    def name(self) -> str:
+        return (f"tp{self.tp}.pp{self.pp}.dp{self.dp}.cp{self.cp}.ep{self.ep}.{self.strategy}."
+                f"mbs{self.micro_batch}.{'rc' if self.recompute else 'norc'}")
+
+    @classmethod
+    def parse(cls, name: str) -> "Layout":
+        """The inverse of ``name``: "tp8.pp16.dp8.cp1.ep1.zero1.mbs1.norc" (missing axes default to 1)."""
+        fields: dict = {}
+        for part in name.split("."):
+            for key in ("tp", "pp", "dp", "cp", "ep", "mbs"):
+                if part.startswith(key) and part[len(key):].isdigit():
+                    fields["micro_batch" if key == "mbs" else key] = int(part[len(key):])
+                    break
+            else:
+                if part in STRATEGIES:
+                    fields["strategy"] = part
+                elif part in ("rc", "norc"):
+                    fields["recompute"] = part == "rc"
+                else:
+                    raise ValueError(f"cannot read {part!r} in layout {name!r}; write e.g. "
+                                     "tp8.pp16.dp8.cp1.ep1.zero1.mbs1.norc")
+        if "tp" not in fields or "pp" not in fields or "dp" not in fields:
+            raise ValueError(f"layout {name!r} must give tp, pp and dp (e.g. tp8.pp16.dp8.zero1)")
+        return cls(**fields)
+
+
+def _dp(model: ModelShape, cluster: Cluster, lay: Layout) -> F.DataParallel:
+    """The data-parallel strategy of ``lay``: ddp in fp32 (minipar's DDP has no mixed precision), the
+    ZeRO stages in bf16 with fp32 masters; hsdp is zero3 sharded within a node, replicated across."""
+    strategy = "zero3" if lay.strategy == "hsdp" else lay.strategy
+    grad_ranks = lay.dp * lay.cp
+    shard = None
+    if lay.strategy == "hsdp":
+        per_node = max(1, cluster.gpus_per_node // (lay.tp * lay.cp))
+        shard = math.gcd(lay.dp, per_node) * lay.cp
+    edp = lay.dp // lay.ep * lay.cp
+    return F.DataParallel(strategy, grad_ranks, shard, edp=edp, param=4 if strategy == "ddp" else 2,
+                          bucket_cap_mb=25.0, reshard_after_forward=lay.pp == 1, cp=lay.cp)
+
+
+@lru_cache(maxsize=4096)
+def _stage_state(model: ModelShape, cluster: Cluster, lay: Layout, stage: int, m: int):
+    """(state bytes, dp calls summary, largest unit numel) of one stage's rank: independent of the
+    micro-batch size and recomputation, so cached across them."""
+    ps = model.stage_params(lay.tp, lay.ep, lay.pp, stage)
+    dp = _dp(model, cluster, lay)
+    calls = F.dp_calls(ps, dp, backwards=m, pipeline=lay.pp > 1)
+    unit = max(sum(ps.tensors[i].numel() for i in u) for u in ps.units)
+    return F.state_bytes(ps, dp), F.summarize(calls), unit
+
+
+def _link(axis: str, lay: Layout, cluster: Cluster) -> str:
+    """"intra" when every group of ``axis`` lies inside one node (mesh order: pp, dp, cp, tp fastest)."""
+    span = {"tp": lay.tp, "cp": lay.tp * lay.cp, "ep": lay.tp * lay.cp * lay.ep,
+            "pp": lay.tp * lay.cp * lay.dp * lay.pp}.get(axis, lay.tp * lay.cp * lay.dp)
+    if axis == "dp_shard":
+        span = lay.tp * cluster.gpus_per_node // max(1, lay.tp)  # hsdp shards within a node
+    return "intra" if span <= cluster.gpus_per_node else "inter"
+
+
+def evaluate(model: ModelShape, cluster: Cluster, global_batch: int, lay: Layout) -> dict:
+    """Every prediction for one layout: memory per rank, traffic per axis and link, times. ``feasible``
+    False with ``why`` when it cannot run or does not fit."""
+    gpus = lay.tp * lay.pp * lay.dp * lay.cp
+    why = _refusal(model, cluster, global_batch, lay, gpus)
+    m = max(1, global_batch // (lay.dp * lay.micro_batch)) if not why else 1
+    act_b = 2  # bf16 activations (ddp: fp32, 4)
+    if lay.strategy == "ddp":
+        act_b = 4
+    tokens = lay.micro_batch * model.seq // lay.cp  # one micro-batch's tokens on a cp rank
+    kv_hidden = max(1, model.kv_heads // lay.tp) * model.head_dim * lay.tp
+    ffn = model.moe_ffn * (model.top_k + model.shared_experts) if model.experts else model.ffn
+    per_layer = F.layer_activation_bytes(tokens, model.hidden, kv_hidden, ffn, act_b, lay.tp, True, model.gated)
+    boundary = tokens * model.hidden // lay.tp * act_b  # a block's input, sequence-parallel
+    worst: dict = {}
+    for stage in sorted({0, lay.pp - 1, min(1, lay.pp - 1)}):
+        state, dp_traffic, unit = _stage_state(model, cluster, lay, stage, m)
+        layers = model.stage_layers(lay.pp, stage)
+        in_flight = min(lay.pp - stage, m)  # 1F1B: stage s holds p - s micro-batches at its peak
+        full = layers * per_layer * in_flight
+        recomputed = layers * boundary * in_flight + per_layer  # block inputs, plus one block redone
+        logits = tokens * model.vocab // lay.tp * 6 if stage == lay.pp - 1 else 0  # bf16 logits + fp32 grad
+        act = (recomputed if lay.recompute else full) + logits
+        buffers = 2 * unit * act_b if _dp(model, cluster, lay).strategy == "zero3" else 2 * 25 * 2**20
+        mem = dict(state, activations=act, activations_full=full + logits, activations_recompute=recomputed + logits,
+                   buffers=buffers)
+        mem["total"] = state["params"] + state["grads"] + state["optimizer"] + act + buffers
+        if not worst or mem["total"] > worst["memory"]["total"]:
+            worst = dict(stage=stage, memory=mem, dp_traffic=dp_traffic, layers=layers)
+    traffic = dict(worst["dp_traffic"])
+    layers = worst["layers"]
+    tp_calls = F.tp_calls(layers, tokens * model.hidden * act_b, lay.tp, True)
+    if lay.recompute:
+        tp_calls += F.tp_calls(layers, tokens * model.hidden * act_b, lay.tp, True, backward=False)
+    for name, calls in (("tp", tp_calls * m), ("pp", F.pp_calls(min(1, lay.pp - 1), lay.pp, m, boundary)),
+                        ("cp", F.ring_calls(layers, lay.micro_batch, max(1, model.kv_heads // lay.tp), model.seq,
+                                            model.head_dim, lay.cp, act_b) * m)):
+        traffic.update(F.summarize(calls))
+    if lay.ep > 1:
+        moe = sum(1 for i in range(model.layers) if i >= model.dense_layers) * layers // model.layers
+        sent = F.ep_bytes(tokens // lay.tp, model.top_k, model.hidden, act_b, moe) * m
+        traffic["ep"] = {"bytes": sent, "wire": sent * (lay.ep - 1) // lay.ep}
+    for axis, row in traffic.items():
+        row["link"] = _link(axis, lay, cluster)
+    return dict(layout=lay.name, **asdict(lay), gpus=gpus, microbatches=m, feasible=not why, why=why,
+                **_times(model, cluster, global_batch, lay, m, traffic, worst["memory"]), memory=worst["memory"],
+                comm=traffic, comm_by_link=_by_link(traffic), worst_stage=worst["stage"])
+
+
+def _refusal(model: ModelShape, cluster: Cluster, global_batch: int, lay: Layout, gpus: int) -> str:
+    if gpus != cluster.gpus:
+        return f"tp·pp·dp·cp = {gpus}, not the cluster's {cluster.gpus} GPUs"
+    if model.heads % lay.tp or lay.tp > cluster.gpus_per_node:
+        return f"tp={lay.tp} must divide the {model.heads} heads and fit in a node of {cluster.gpus_per_node}"
+    if lay.pp > model.layers:
+        return f"pp={lay.pp} > {model.layers} layers"
+    if global_batch % (lay.dp * lay.micro_batch):
+        return f"global batch {global_batch} does not split into dp={lay.dp} x micro-batch {lay.micro_batch}"
+    if lay.ep > 1 and (not model.experts or lay.dp % lay.ep or model.experts % lay.ep):
+        return f"ep={lay.ep} must divide dp={lay.dp} and the {model.experts} experts"
+    if model.seq % (2 * lay.cp * lay.tp):
+        return f"sequence {model.seq} does not split into 2·cp·tp = {2 * lay.cp * lay.tp} chunks"
+    return ""
+
+
+def _times(model: ModelShape, cluster: Cluster, global_batch: int, lay: Layout, m: int, traffic: dict,
+           mem: dict) -> dict:
+    gpus = lay.tp * lay.pp * lay.dp * lay.cp
+    tokens = global_batch * model.seq
+    active = model.params(active=True)
+    flops = F.training_flops(active, tokens, model.layers, model.seq, model.hidden, lay.recompute)
+    compute = flops / (gpus * cluster.peak_flops * cluster.efficiency)
+    bubble = compute * (lay.pp - 1) / m
+    seconds = {axis: row["wire"] / (cluster.intra_bw if row["link"] == "intra" else cluster.inter_bw)
+               for axis, row in traffic.items()}
+    attention_share = model.layers * model.seq * model.hidden / (active + model.layers * model.seq * model.hidden)
+    overlap_dp = (2 / 3) * compute / (m if lay.pp > 1 else 1)
+    dp_time = sum(t for a, t in seconds.items() if a in ("dp", "dp_cp", "dp_shard", "dp_replicate", "edp"))
+    exposed = {"dp": max(0.0, dp_time - overlap_dp), "cp": max(0.0, seconds.get("cp", 0) - compute * attention_share),
+               "tp": seconds.get("tp", 0), "pp": seconds.get("pp", 0), "ep": seconds.get("ep", 0)}
+    step = compute + bubble + sum(exposed.values())
+    fits = mem["total"] <= cluster.memory * MEMORY_HEADROOM
+    return dict(step_s=step, compute_s=compute, bubble_s=bubble, bubble=F.bubble_fraction(lay.pp, m),
+                exposed_s=exposed, comm_s=seconds, tokens_per_s=tokens / step,
+                mfu=6 * active * tokens / step / (gpus * cluster.peak_flops), fits=fits)
+
+
+def _by_link(traffic: dict) -> dict:
+    out = {"intra": 0, "inter": 0}
+    for row in traffic.values():
+        out[row["link"]] += row["wire"]
+    return out
+
+
+def _powers(limit: int) -> list[int]:
+    return [2**i for i in range(int(math.log2(max(1, limit))) + 1)]
+
+
+def layouts(model: ModelShape, cluster: Cluster, global_batch: int) -> list[Layout]:
+    """Every layout worth predicting: powers of two per axis, tp within a node, cp only for long
+    sequences (>= 16k tokens) or up to sequence / 4096, ep only for MoE models."""
+    out = []
+    for tp in [t for t in _powers(cluster.gpus_per_node) if model.heads % t == 0]:
+        for cp in _powers(max(1, model.seq // 4096)):
+            for pp in [p for p in _powers(model.layers) if cluster.gpus % (tp * cp * p) == 0]:
+                dp = cluster.gpus // (tp * cp * pp)
+                if dp < 1:
+                    continue
+                for ep in ([e for e in _powers(min(dp, model.experts)) if model.experts % e == 0]
+                           if model.experts else [1]):
+                    for strategy in STRATEGIES:
+                        for mbs in (1, 2, 4):
+                            for rc in (False, True):
+                                lay = Layout(tp, pp, dp, cp, ep, strategy, mbs, rc)
+                                if not _refusal(model, cluster, global_batch, lay, cluster.gpus):
+                                    out.append(lay)
+    return out
+
+
+def plan(model: ModelShape | str, cluster: Cluster | None = None, global_batch: int = 1024,
+         top: int | None = None) -> dict:
+    """{"layouts": the feasible layouts, fastest first (each `evaluate`'s dict), "model", "cluster",
+    "global_batch", "rejected": how many did not fit, "closest": the smallest infeasible one when none fits}."""
+    model = MODELS[model] if isinstance(model, str) else model
+    cluster = cluster or H100
+    results = [evaluate(model, cluster, global_batch, lay) for lay in layouts(model, cluster, global_batch)]
+    fits = sorted((r for r in results if r["fits"]), key=lambda r: (r["step_s"], r["memory"]["total"]))
+    out = dict(model=asdict(model), cluster=asdict(cluster), global_batch=global_batch,
+               layouts=fits[:top] if top else fits, rejected=len(results) - len(fits))
+    if not fits:
+        closest = min(results, key=lambda r: r["memory"]["total"], default=None)
+        out["closest"] = closest
+        out["why"] = ("no layout was possible for this model and GPU count" if closest is None else
+                      f"nothing fits: the smallest layout, {closest['layout']}, needs "
+                      f"{closest['memory']['total'] / 2**30:.1f} GiB per GPU, more than "
+                      f"{MEMORY_HEADROOM:.0%} of {cluster.memory / 2**30:.1f} GiB")
+    return out
