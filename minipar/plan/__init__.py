@@ -19,7 +19,7 @@ one node talks over NVLink, any other over the network. ``python -m minipar.plan
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 
 from minipar import formulas as F
@@ -118,7 +118,8 @@ def evaluate(model: ModelShape, cluster: Cluster, global_batch: int, lay: Layout
     boundary = tokens * model.hidden // lay.tp * act_b  # a block's input, sequence-parallel
     worst: dict = {}
     for stage in sorted({0, lay.pp - 1, min(1, lay.pp - 1)}):
-        state, dp_traffic, unit = _stage_state(model, cluster, lay, stage, m)
+        # micro-batch size and recomputation change neither the state nor the dp traffic (m carries the count)
+        state, dp_traffic, unit = _stage_state(model, cluster, replace(lay, micro_batch=1, recompute=False), stage, m)
         layers = model.stage_layers(lay.pp, stage)
         in_flight = min(lay.pp - stage, m)  # 1F1B: stage s holds p - s micro-batches at its peak
         full = layers * per_layer * in_flight
