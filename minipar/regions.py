@@ -41,7 +41,9 @@ def _all_gather_dim(x: torch.Tensor, comm: Comm, group: AxisGroup, dim: int, tag
     x0 = x.movedim(dim, 0).contiguous()
     out = x0.new_empty((n * x0.shape[0],) + tuple(x0.shape[1:]))
     comm.all_gather(out, x0, group, tag=tag)
-    return out.movedim(0, dim)
+    # contiguous once here: the column-parallel layers reading the gathered input (q, k, v) would
+    # otherwise each copy the strided view for their matmul, and autograd would keep every copy
+    return out.movedim(0, dim).contiguous()
 
 
 def _reduce_scatter_dim(x: torch.Tensor, comm: Comm, group: AxisGroup, dim: int, tag: str | None) -> torch.Tensor:

@@ -19,6 +19,7 @@ import torch
 from minipar import Mesh, MixedPrecision, ShardedModule
 from minipar import formulas as F
 from minipar.models import GPT, GPTConfig, gpt_loss
+from minipar.recompute import ActivationMemory
 
 CFG = dict(vocab_size=23, block_size=8, n_layer=2, n_head=3, n_embd=9, bias=True, seed=3)  # 2,475 parameters:
 # neither they nor most tensors divide by 2 or 4, so flat groups are padded
@@ -164,6 +165,66 @@ def test_tp_pp_cp_layouts_state_and_traffic_equal_the_formulas(pools, world, siz
         for axis in sizes:  # the axis's own traffic is there to compare
             assert any(k[2] in axis_tags[axis] for k in out["records"]), out["records"]
         assert out["records"] == _expected(_predict(info, strategy, options, batch)), (info, out["records"])
+
+
+# -- activations: the closed form against the saved-tensor meter ----------------------------------
+
+def _saved_per_block(cfg: dict, batch: int, seq: int, sizes: dict | None = None, sp: bool = False,
+                     recompute: bool = False) -> int:
+    """Bytes autograd holds after one block's forward (its input included: the first norm keeps
+    it), measured on block 0 of the model (this rank's shards under tp; a sequence shard in)."""
+    model = GPT(GPTConfig(**dict(cfg, n_layer=1, block_size=seq)))
+    tp = 1
+    if sizes:  # tp: this rank's shards
+        wrapped = ShardedModule(model, mesh=Mesh(**sizes), sequence_parallel=sp, activation_checkpointing=recompute)
+        model, tp = wrapped.module, wrapped.mesh.tp
+    elif recompute:
+        from minipar.recompute import checkpoint_modules
+        checkpoint_modules(model, True, torch.device("cpu"))
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(batch, seq // (tp if sp else 1), cfg["n_embd"], generator=g, requires_grad=True)
+    with ActivationMemory(model.parameters()) as meter:
+        out = model.layers[0](h)  # held: the graph (and what it saved) lives as long as the output
+        meter.mark_forward_done()
+    del out
+    return meter.after_forward_bytes
+
+
+ACT_CFG = dict(vocab_size=64, n_head=4, n_embd=64, dropout=0.0, seed=5)
+LLAMA = dict(norm="rmsnorm", mlp="swiglu", pos="rope")
+
+
+@pytest.mark.parametrize("style, batch, seq, recompute", [
+    ("gpt", 2, 16, False), ("gpt", 4, 64, False), ("llama", 3, 32, False), ("llama", 2, 64, False),
+    ("gpt", 2, 32, True), ("llama", 2, 32, True)])
+def test_block_activations_equal_the_formula_within_ten_percent(style, batch, seq, recompute):
+    """One block's saved activations (the meter, one process, fp32) within 10% of
+    `layer_activation_bytes` (GELU or SwiGLU MLP; LayerNorm, or RMSNorm keeping its output), and a checkpointed block's
+    of `checkpointed_layer_bytes` (its input alone)."""
+    cfg = dict(ACT_CFG, **(LLAMA if style == "llama" else {}))
+    measured = _saved_per_block(cfg, batch, seq, recompute=recompute)
+    ffn = GPT(GPTConfig(**dict(cfg, n_layer=1))).layers[0].mlp.fc.weight.shape[0]
+    tokens, h = batch * seq, cfg["n_embd"]
+    formula = F.checkpointed_layer_bytes(tokens, h, 4) if recompute else \
+        F.layer_activation_bytes(tokens, h, h, ffn, 4, gated=style == "llama", norm_keeps_output=style == "llama")
+    assert abs(measured - formula) <= 0.10 * formula, (measured, formula)
+
+
+def _tp_block(ctx, cfg, batch, seq, sp):
+    out = _saved_per_block(cfg, batch, seq, sizes=dict(tp=2), sp=sp)
+    return out
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_tensor_parallel_block_activations_equal_the_formula_within_ten_percent(pools, sp):
+    """tp=2: each rank's block keeps the split half of q/k/v/MLP activations and, with sequence
+    parallelism, half of the norms' and projections' inputs too."""
+    batch, seq = 2, 32
+    for rank, measured in enumerate(pools.run(2, _tp_block, ACT_CFG, batch, seq, sp)):
+        ffn = 4 * ACT_CFG["n_embd"]
+        formula = F.layer_activation_bytes(batch * seq, ACT_CFG["n_embd"], ACT_CFG["n_embd"], ffn, 4, tp=2,
+                                           sequence_parallel=sp, gated=False)
+        assert abs(measured - formula) <= 0.10 * formula, (rank, sp, measured, formula)
 
 
 def _paramset(info) -> F.ParamSet:

@@ -115,7 +115,7 @@ def evaluate(model: ModelShape, cluster: Cluster, global_batch: int, lay: Layout
     kv_hidden = max(1, model.kv_heads // lay.tp) * model.head_dim * lay.tp
     ffn = model.moe_ffn * (model.top_k + model.shared_experts) if model.experts else model.ffn
     per_layer = F.layer_activation_bytes(tokens, model.hidden, kv_hidden, ffn, act_b, lay.tp, True, model.gated)
-    boundary = tokens * model.hidden // lay.tp * act_b  # a block's input, sequence-parallel
+    boundary = F.checkpointed_layer_bytes(tokens, model.hidden, act_b, lay.tp)  # a block's input, sequence-parallel
     worst: dict = {}
     for stage in sorted({0, lay.pp - 1, min(1, lay.pp - 1)}):
         # micro-batch size and recomputation change neither the state nor the dp traffic (m carries the count)
