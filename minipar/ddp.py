@@ -33,6 +33,12 @@ Expert parameters (placed ``expert``, from `minipar.moe`) live in buckets
 of their own, all-reduced over the ``edp`` group (the ranks holding the same
 experts) but divided by the whole dp size: an expert's local gradient already
 sums what every rank of its expert-parallel group sent it.
+
+``grad_sync_owner``: an optimizer that communicates itself (`minipar.onebit.OneBitAdam`, which
+averages the compressed momentum instead of the gradient) sets it to itself; from then on backward
+keeps every gradient local (no bucket launched, ``.grad`` is this rank's own) and ``sync_grads``
+does nothing. ``build_optimizer`` passes ``strategy=self`` to an optimizer class with
+``binds_strategy``.
 """
 
 from __future__ import annotations
@@ -126,6 +132,7 @@ class DataParallel(BucketHooks, Strategy):
         self._pending = False          # a no_sync backward left gradients that are not reduced yet
         n = sum(len(b.params) for b in self.buckets)
         self._used = [0] * n           # per parameter slot: got a gradient since the last sync
+        self.grad_sync_owner: object | None = None  # set by an optimizer that takes over the sync (1-bit Adam)
         self._hook_buckets(self.comm, window=None)  # persistent buffers: nothing to bound
 
     # -- setup -------------------------------------------------------------
@@ -144,6 +151,8 @@ class DataParallel(BucketHooks, Strategy):
     # -- backward ----------------------------------------------------------
 
     def _keeps_local(self, bucket: Bucket, i: int) -> bool:
+        if self.grad_sync_owner is not None:
+            return True  # the optimizer communicates (the momentum): this rank's gradient stays its own
         self._used[bucket.first_slot + i] = 1
         if self._sync:
             return False  # take() moves it into the bucket
@@ -192,7 +201,10 @@ class DataParallel(BucketHooks, Strategy):
         return {id(p): p.grad for b in self.buckets for p in b.params if p.grad is not None}
 
     def build_optimizer(self, optimizer_cls: type[torch.optim.Optimizer], **kwargs):
-        """A plain ``optimizer_cls`` over the module's parameters (memory_stats counts its state)."""
+        """A plain ``optimizer_cls`` over the module's parameters (memory_stats counts its state); one with
+        ``binds_strategy`` (1-bit Adam) also gets ``strategy=self``, to take over the gradient sync."""
+        if getattr(optimizer_cls, "binds_strategy", False):
+            kwargs = {**kwargs, "strategy": self}
         self.optimizer = optimizer_cls(self.module.parameters(), **kwargs)
         return self.optimizer
 
