@@ -190,3 +190,26 @@ def test_cp_long_seq_reports_memory_per_rank_and_attention_bytes_equal_to_the_th
     else:
         assert re.search(r"torch context_parallel cp=2: does not run here \(\w+/\w+\): " + re.escape(torch_cp["error"]),
                          out), out
+
+
+def test_dp_vs_ddp_runs_and_reports_the_ratio_the_phases_and_the_bytes(tmp_path):
+    """benchmarks/dp_vs_ddp.py (one command: DataParallel over 2 CPU threads here, minipar DDP in 2
+    spawned processes): the DataParallel/DDP ratio is printed and written to --json alike, every
+    phase of DataParallel's step has a row, the gradient sum copies the second replica's gradients
+    (the parameter bytes), DDP all-reduces the parameter bytes under "grad", and the three variants
+    train the same thing (losses agree with the one-thread run)."""
+    result = tmp_path / "dp.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "dp_vs_ddp.py"), *TINY_ARGS, "--workers", "2",
+           "--steps", "2", "--warmup", "0", "--json", str(result)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, f"dp_vs_ddp.py exited {run.returncode}:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+    out, figures = run.stdout, json.loads(result.read_text())
+    ratio = _number(r"ratio DataParallel/DDP \(of medians\): ([\d.]+)", out)
+    assert ratio > 0 and round(figures["ratio_dp_over_ddp"], 2) == ratio
+    for phase in ("scatter", "replicate", "forward", "gather", "loss", "gather (backward)", "replicas' backward",
+                  "reduce (backward)", "optimizer"):
+        assert re.search(rf"^\| {re.escape(phase)} \| [\d.]+ \| \d+% \|", out, re.M), (phase, out)
+    param_bytes = _tiny_gpt_param_bytes()
+    assert figures["dp_bytes_copied_per_step"]["reduce (backward)"] == param_bytes  # k - 1 = 1 replica's grads
+    assert figures["ddp_all_reduce_bytes_per_step"] == param_bytes
+    assert max(figures["loss_max_diff_from_one"].values()) < 1e-5
