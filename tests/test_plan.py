@@ -3,7 +3,9 @@
 For small layouts on 2- and 4-rank CPU worlds: the per-rank state bytes `memory_stats()` reports
 equal `formulas.state_bytes` exactly, and every collective the layer counts (op, axis, tag, bytes,
 wire bytes) equals the calls the formulas list, exactly, for DDP, ZeRO-1/2/3 (fp32 and bf16), HSDP,
-tensor parallelism (with and without sequence parallelism), pipeline sends and context parallelism.
+tensor parallelism (with and without sequence parallelism), pipeline sends, context parallelism and
+expert parallelism (MoE all-to-alls as a mean over the ranks: what a rank returns depends on routing).
+A block's activations equal `layer_activation_bytes` within 10% of the saved-tensor meter.
 """
 
 from __future__ import annotations
@@ -165,6 +167,52 @@ def test_tp_pp_cp_layouts_state_and_traffic_equal_the_formulas(pools, world, siz
         for axis in sizes:  # the axis's own traffic is there to compare
             assert any(k[2] in axis_tags[axis] for k in out["records"]), out["records"]
         assert out["records"] == _expected(_predict(info, strategy, options, batch)), (info, out["records"])
+
+
+# -- expert parallelism -----------------------------------------------------------------------------
+
+MOE_CFG = dict(vocab_size=24, block_size=8, n_layer=2, n_head=2, n_embd=8, bias=True, seed=3, n_experts=4, top_k=2,
+               capacity_factor=8.0)  # room for every token: no assignment is dropped, so every rank's bytes are fixed
+
+
+def _moe_step(ctx, sizes, strategy, batch):
+    from minipar.models import MoEGPT, MoEGPTConfig
+    mesh = Mesh(**sizes)
+    sharded = ShardedModule(MoEGPT(MoEGPTConfig(**MOE_CFG)), mesh=mesh, strategy=strategy)
+    opt = sharded.build_optimizer(torch.optim.AdamW, lr=1e-3)
+    x = torch.randint(0, 24, (batch, 9), generator=torch.Generator().manual_seed(mesh.dp_rank))
+    with mesh.comm.counting() as stats:
+        sharded.train_step(x[:, :-1], x[:, 1:], sharded.cross_entropy)
+        opt.step()
+    ps = F.ParamSet.of(sharded.module)
+    out = dict(memory=sharded.memory_stats(), records=_counted(stats.records, {"grad", "param"}),
+               moe=stats.bytes("all_to_all", "ep", "moe_dispatch") + stats.bytes("all_to_all", "ep", "moe_combine"),
+               ps=([t.numel() for t in ps.tensors], ps.expert, ps.units, ps.has_root), dp=mesh.dp, edp=mesh.group("edp").size,
+               rank=mesh.group(mesh.shard_axis).rank, edp_rank=mesh.group("edp").rank)
+    mesh.destroy()
+    return out
+
+
+@pytest.mark.parametrize("world, strategy", [(2, "ddp"), (4, "zero2"), (4, "zero3")])
+def test_expert_parallel_state_and_traffic_equal_the_formulas(pools, world, strategy):
+    """MoE GPT with its experts over ep=2 (edp = dp / 2 for the experts' gradients and shards): on
+    every rank memory_stats() == state_bytes (dense tensors over dp, experts over edp), the
+    gradient/parameter collectives == dp_calls, and the dispatch and combine all-to-alls put
+    ep_bytes per rank into the collective layer, as a mean over the ranks (no token dropped: a
+    rank dispatches its tokens · k rows and gets the gradients of as many back; what it returns
+    from its experts depends on routing, the world's sum does not)."""
+    batch = 2
+    outs = pools.run(world, _moe_step, dict(ep=2), strategy, batch)
+    tokens = batch * MOE_CFG["block_size"]
+    per_rank = F.ep_bytes(tokens, MOE_CFG["top_k"], MOE_CFG["n_embd"], torch.float32, MOE_CFG["n_layer"])
+    assert sum(out["moe"] for out in outs) == world * per_rank, [out["moe"] for out in outs]
+    for out in outs:
+        numels, expert, units, has_root = out["ps"]
+        ps = F.ParamSet([torch.empty(n, device="meta") for n in numels], expert, units, has_root)
+        assert any(expert) and not all(expert)
+        dp = F.DataParallel(strategy, out["dp"], edp=out["edp"], rank=out["rank"], edp_rank=out["edp_rank"])
+        assert out["memory"] == F.state_bytes(ps, dp), (out["memory"], F.state_bytes(ps, dp))
+        assert out["records"] == _expected(F.dp_calls(ps, dp)), out["records"]
 
 
 # -- activations: the closed form against the saved-tensor meter ----------------------------------
