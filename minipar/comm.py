@@ -138,6 +138,19 @@ def _is_gloo(group: AxisGroup) -> bool:
     return dist.get_backend(group.pg) == "gloo"
 
 
+# What one call puts on the wire from this rank under the ring algorithms, as a share of its
+# payload (an all-to-all with equal splits keeps 1/n at home). The planner's formulas read the same
+# table (`minipar.formulas.wire_bytes`): one copy of this arithmetic.
+WIRE_SHARE = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
+              "all_gather": lambda n: (n - 1) / n, "broadcast": lambda n: 1, "send": lambda n: 1,
+              "recv": lambda n: 0, "all_to_all": lambda n: (n - 1) / n}
+
+
+def wire_bytes(op: str, n: int, payload: int) -> int:
+    """Bytes one ``op`` call over ``n`` ranks with ``payload`` bytes puts on the wire from this rank."""
+    return int(round(WIRE_SHARE[op](n) * payload))
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -182,7 +195,7 @@ class Comm:
         if n == 1:
             return _Done() if async_op else None
         b = _nbytes(tensor)
-        self._record("all_reduce", group, tag, b, 2 * (n - 1) / n * b, tensor.dtype, tensor.shape)
+        self._record("all_reduce", group, tag, b, wire_bytes("all_reduce", n, b), tensor.dtype, tensor.shape)
         return dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=group.pg, async_op=async_op)
 
     @_named
@@ -207,7 +220,7 @@ class Comm:
                 output.copy_(input)
             return _Done() if async_op else None
         b = _nbytes(input)
-        self._record("reduce_scatter", group, tag, b, (n - 1) / n * b, input.dtype, input.shape)
+        self._record("reduce_scatter", group, tag, b, wire_bytes("reduce_scatter", n, b), input.dtype, input.shape)
         if _is_gloo(group):
             # gloo's reduce-scatter copies the input and all-reduces all of it anyway, then scatters:
             # doing that ourselves (one copy, one all-reduce, keep our slice) takes half the time.
@@ -236,7 +249,7 @@ class Comm:
             output.copy_(input)
             return _Done() if async_op else None
         b = _nbytes(output)
-        self._record("all_gather", group, tag, b, (n - 1) / n * b, input.dtype, output.shape)
+        self._record("all_gather", group, tag, b, wire_bytes("all_gather", n, b), input.dtype, output.shape)
         if _is_gloo(group):
             # gloo's all-gather goes through a temporary and is ~3x slower than one broadcast per
             # rank straight into the output's slices, which moves the same bytes.
@@ -255,7 +268,7 @@ class Comm:
         if group.size == 1:
             return _Done() if async_op else None
         b = _nbytes(tensor)
-        self._record("broadcast", group, tag, b, b, tensor.dtype, tensor.shape)
+        self._record("broadcast", group, tag, b, wire_bytes("broadcast", group.size, b), tensor.dtype, tensor.shape)
         return dist.broadcast(tensor, src=group.ranks[src], group=group.pg, async_op=async_op)
 
     @_named
@@ -287,7 +300,7 @@ class Comm:
              tag: str | None = None):
         """Point-to-point send to group member ``dst``."""
         b = _nbytes(tensor)
-        self._record("send", group, tag, b, b, tensor.dtype, tensor.shape)
+        self._record("send", group, tag, b, wire_bytes("send", group.size, b), tensor.dtype, tensor.shape)
         if async_op:
             return dist.isend(tensor, group.ranks[dst], group=group.pg)
         dist.send(tensor, group.ranks[dst], group=group.pg)

@@ -37,6 +37,7 @@ from typing import NamedTuple, Sequence
 import torch
 import torch.nn as nn
 
+from .comm import wire_bytes  # the collective layer's own table: one copy of the ring arithmetic
 from .ddp import bucket_params
 from .flat import FlatLayout
 from .placement import placement_of
@@ -215,13 +216,6 @@ class Call(NamedTuple):
     tag: str
     bytes: int
     wire: int
-
-
-def wire_bytes(op: str, n: int, payload: int) -> int:
-    """What one call puts on the wire from this rank under the ring algorithm (see the module docstring)."""
-    factor = {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n, "all_gather": (n - 1) / n,
-              "broadcast": 1, "send": 1, "recv": 0, "all_to_all": (n - 1) / n}[op]
-    return int(round(factor * payload))
 
 
 def call(op: str, axis: str, n: int, tag: str, payload: int) -> list[Call]:
