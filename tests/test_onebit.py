@@ -50,17 +50,21 @@ def _inputs(seed: int, steps: int, world: int, numel: int) -> torch.Tensor:
     return torch.randn(steps, world, numel, generator=torch.Generator().manual_seed(seed))
 
 
-def _simulate(inputs: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+def _simulate(inputs: torch.Tensor, block: int) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
     """The same arithmetic in one process, chunk by chunk: (results per call, final worker errors per
     rank, final server errors per rank). Signs via numpy, no helper of minipar.onebit but chunk_size."""
     steps, n, numel = inputs.shape
-    c = chunk_size(numel, n)
+    c = chunk_size(numel, n, block)
     real = [max(0, min(c, numel - j * c)) for j in range(n)]
 
     def c_of(v: torch.Tensor, count: int) -> torch.Tensor:  # v: (c,), zero past count -> its decompression
-        scale = v.abs().sum() / max(count, 1)
-        bits = np.unpackbits(np.packbits((v >= 0).numpy(), bitorder="little"), bitorder="little")
-        out = torch.from_numpy(bits.astype(np.float32) * 2 - 1) * scale
+        out = []
+        for k in range(0, c, block):  # one scale per block
+            b, real_b = v[k:k + block], max(0, min(block, count - k))
+            scale = b.abs().sum() / max(real_b, 1)
+            bits = np.unpackbits(np.packbits((b >= 0).numpy(), bitorder="little"), bitorder="little")
+            out.append(torch.from_numpy(bits.astype(np.float32) * 2 - 1) * scale)
+        out = torch.cat(out)
         out[count:] = 0.0
         return out
 
@@ -88,30 +92,31 @@ def _simulate(inputs: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tens
     return results, worker, server
 
 
-def _run_compressed(ctx, inputs: torch.Tensor, shape: tuple[int, ...]):
+def _run_compressed(ctx, inputs: torch.Tensor, shape: tuple[int, ...], block: int):
     mesh = Mesh()
     group = mesh.group("dp")
     n, numel = group.size, inputs.shape[2]
-    c = chunk_size(numel, n)
+    c = chunk_size(numel, n, block)
     worker, server = torch.zeros(n * c), torch.zeros(c)
     results = []
     for s in range(inputs.shape[0]):
         t = inputs[s, ctx.rank].clone().view(shape)
-        compressed_allreduce(t, worker, server, mesh.comm, group)
+        compressed_allreduce(t, worker, server, mesh.comm, group, block)
         results.append(t.reshape(-1))
     return results, worker, server
 
 
-@given(world=st.integers(1, 4), numel=st.integers(1, 70), two_d=st.booleans(), steps=st.integers(1, 3),
-       seed=st.integers(0, 2**16))
-def test_compressed_allreduce_equals_simulation(pools, world, numel, two_d, steps, seed):
-    """For any size (tiny, not a multiple of the world size or of 8: chunks padded) and world size, a
-    few calls of compressed_allreduce give, bitwise, the simulation's results on every rank, and each
-    rank ends with the simulation's worker error and the server error of the chunk it owns."""
+@given(world=st.integers(1, 4), numel=st.integers(1, 150), two_d=st.booleans(), steps=st.integers(1, 3),
+       block=st.sampled_from([8, 16, 40, 2048]), seed=st.integers(0, 2**16))
+def test_compressed_allreduce_equals_simulation(pools, world, numel, two_d, steps, block, seed):
+    """For any size (tiny, not a multiple of the world size, of 8 or of the scale block: chunks padded),
+    scale block and world size, a few calls of compressed_allreduce give, bitwise, the simulation's
+    results on every rank, and each rank ends with the simulation's worker error and the server error
+    of the chunk it owns."""
     inputs = _inputs(seed, steps, world, numel)
     shape = (numel // 2, 2) if two_d and numel % 2 == 0 else (numel,)
-    ref_results, ref_worker, ref_server = _simulate(inputs)
-    for rank, (results, worker, server) in enumerate(pools.run(world, _run_compressed, inputs, shape)):
+    ref_results, ref_worker, ref_server = _simulate(inputs, block)
+    for rank, (results, worker, server) in enumerate(pools.run(world, _run_compressed, inputs, shape, block)):
         for s, (got, want) in enumerate(zip(results, ref_results)):
             assert torch.equal(got, want), f"rank {rank} call {s}: {(got - want).abs().max()}"
         assert torch.equal(worker, ref_worker[rank]), f"rank {rank} worker error"
@@ -123,7 +128,7 @@ def test_simulation_keeps_the_sign_the_ranks_agree_on(pools):
     first call, wherever every rank's input has the same sign the result has that sign, and the result
     points along the exact mean (cosine > 0.5)."""
     inputs = _inputs(0, 1, 3, 4096)
-    result = _simulate(inputs)[0][0]
+    result = _simulate(inputs, 256)[0][0]
     agree = (inputs[0] > 0).all(0) | (inputs[0] < 0).all(0)
     assert agree.sum() > 500 and torch.equal(result[agree].sign(), inputs[0, 0][agree].sign())
     assert torch.nn.functional.cosine_similarity(result, inputs[0].mean(0), dim=0) > 0.5
@@ -230,7 +235,7 @@ def _bytes_per_step(ctx, data: torch.Tensor, local_bs: int):
 def test_wire_bytes_after_warmup_are_at_most_a_25th_of_fp32(pools, world):
     """Counted by mesh.comm.counting(): a warm-up step all-reduces the fp32 gradient; a later step,
     everything included (loss, batch checks, the momentum exchange), puts at most 1/25 of those bytes
-    on the wire, and the exchange moves exactly 2 (n-1) (c/8 + 4) bytes."""
+    on the wire, and the exchange moves exactly 2 (n-1) (c/8 + 4 c/2048) bytes."""
     local_bs = 2
     data = batches(5, 4, 1, world, local_bs, CFG["block_size"], CFG["vocab_size"])
     for rank, (grad, total, onebit, n_params) in enumerate(pools.run(world, _bytes_per_step, data, local_bs)):
@@ -238,7 +243,7 @@ def test_wire_bytes_after_warmup_are_at_most_a_25th_of_fp32(pools, world):
         assert grad[0] == grad[1] == pytest.approx(fp32, abs=8) and onebit[:2] == [0, 0]
         c = chunk_size(n_params, world)
         for s in (2, 3):
-            assert grad[s] == 0 and onebit[s] == 2 * (world - 1) * (c // 8 + 4)
+            assert grad[s] == 0 and onebit[s] == 2 * (world - 1) * (c // 8 + 4 * c // 2048)
             assert total[s] <= grad[0] / 25, f"rank {rank} step {s}: {total[s]} > {grad[0]} / 25"
 
 
