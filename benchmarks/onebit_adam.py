@@ -8,6 +8,11 @@ counted (``mesh.comm.counting()``); the table gives the wire bytes per step of A
 all-reduce) and of 1-bit Adam after its warm-up (the compressed momentum exchange), their ratio, and
 the final loss of each (the mean of the last ``--last`` steps, to smooth out batch noise). The
 script exits 1 if the final losses differ by more than ``--tolerance`` (relative).
+
+Measured on CPU/gloo (2026-11-25): 2 ranks, defaults: gap 0.15%, wire ratio 1/31. On 4 ranks
+(``--batch 4``) with the same 40-step warm-up the gap is 3.1%, and 2.3% of it is the frozen variance
+alone (the same run with the momentum averaged exactly, uncompressed); a 60-step warm-up brings it
+to 1.7%. The warm-up is the knob: the paper warms up for 15-25% of training.
 """
 
 from __future__ import annotations
@@ -95,9 +100,10 @@ def main() -> int:
               f"floor ln 4 = {math.log(4):.3f})\n")
         print("| optimizer | final loss | wire bytes / step (after step k) | total wire bytes | median step ms |")
         print("|---|---|---|---|---|")
-        for name, key, r in (("AdamW", "adamw", adamw), ("1-bit Adam", "onebit", onebit)):
-            print(f"| {name} | {final[key]:.4f} | {result[f'wire_bytes_per_step_{key}' + ('' if key == 'adamw' else '_after_warmup')]:.0f}"
-                  f" | {sum(r['wire']):.0f} | {result[f'median_step_ms_{key}']:.1f} |")
+        for name, key, r, per_step in (("AdamW", "adamw", adamw, wire_adamw),
+                                       ("1-bit Adam", "onebit", onebit, wire_onebit)):
+            print(f"| {name} | {final[key]:.4f} | {per_step:.0f} | {sum(r['wire']):.0f} "
+                  f"| {result[f'median_step_ms_{key}']:.1f} |")
         print(f"\nwire ratio after warm-up: {result['wire_ratio']:.4f} (1/{1 / result['wire_ratio']:.1f}); "
               f"total over the run: {result['wire_bytes_total_onebit'] / result['wire_bytes_total_adamw']:.3f}; "
               f"final-loss gap {gap * 100:.2f}% ({'ok' if ok else 'MISMATCH'}, tolerance {args.tolerance * 100:.0f}%)")
