@@ -8,12 +8,16 @@ Public API:
     regions               -- autograd-aware conjugate collectives (minipar.regions)
     checkpoint            -- sharded save/load, resharding, consolidation (minipar.checkpoint)
     recompute             -- activation checkpointing (minipar.recompute; ShardedModule(activation_checkpointing=))
+    OneBitAdam            -- 1-bit Adam, its compressed momentum exchange replacing DDP's all-reduce (minipar.onebit)
+    formulas, plan        -- the state/traffic/activation arithmetic and the layout planner (python -m minipar.plan)
+    data_parallel         -- single-process DataParallel, the teaching contrast to DDP (minipar.data_parallel)
 """
 
 from . import checkpoint, recompute, regions
 from .comm import AxisGroup, Comm, CommStats
 from .comm_errors import CollectiveError
 from .mesh import Mesh, init, shutdown
+from .onebit import OneBitAdam
 from .precision import MixedPrecision
 from .pipeline import PipelineConfig, StageSpec
 from .sharded import ShardedModule
@@ -21,5 +25,6 @@ from .strategy import STRATEGIES, DataParallelConfig
 from .tensor_parallel import TensorParallelConfig
 
 __all__ = ["init", "shutdown", "Mesh", "ShardedModule", "STRATEGIES", "DataParallelConfig", "TensorParallelConfig",
-           "PipelineConfig", "StageSpec", "MixedPrecision", "Comm", "CommStats", "CollectiveError", "AxisGroup", "regions", "checkpoint", "recompute"]
+           "PipelineConfig", "StageSpec", "MixedPrecision", "Comm", "CommStats", "CollectiveError", "AxisGroup", "regions", "checkpoint", "recompute",
+           "OneBitAdam"]
 __version__ = "0.1.0"
