@@ -213,3 +213,16 @@ def test_dp_vs_ddp_runs_and_reports_the_ratio_the_phases_and_the_bytes(tmp_path)
     assert figures["dp_bytes_copied_per_step"]["reduce (backward)"] == param_bytes  # k - 1 = 1 replica's grads
     assert figures["ddp_all_reduce_bytes_per_step"] == param_bytes
     assert max(figures["loss_max_diff_from_one"].values()) < 1e-5
+
+
+def test_onebit_adam_runs_and_reports_the_wire_ratio(tmp_path):
+    """benchmarks/onebit_adam.py on 2 ranks, a short run: both optimizers train, the table and --json
+    report the losses and the bytes, and after the warm-up 1-bit Adam puts at most 1/25 of AdamW's
+    bytes on the wire (counted by the collective layer)."""
+    result = tmp_path / "onebit.json"
+    out = _torchrun("onebit_adam.py", "--steps", "12", "--freeze-step", "4", "--tolerance", "1",
+                    "--json", str(result))
+    figures = json.loads(result.read_text())
+    assert "| 1-bit Adam |" in out and "| AdamW |" in out
+    assert 0 < figures["wire_ratio"] <= 1 / 25
+    assert figures["wire_bytes_per_step_onebit_after_warmup"] * 25 <= figures["wire_bytes_per_step_adamw"]
