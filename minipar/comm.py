@@ -317,6 +317,13 @@ class Comm:
         return None
 
     @_named
+    def recv_any(self, tensor: torch.Tensor, group: AxisGroup, tag: str | None = None) -> int:
+        """Blocking receive into ``tensor`` from whichever group member sends first; returns that
+        member's index in the group. Recorded as a "recv". gloo only (NCCL has no any-source receive)."""
+        self._record("recv", group, tag, _nbytes(tensor), 0, tensor.dtype, tensor.shape)
+        return group.ranks.index(dist.recv(tensor, None, group=group.pg))
+
+    @_named
     def all_gather_object(self, obj: Any, group: AxisGroup, tag: str | None = None) -> list[Any]:
         """Every rank's picklable ``obj``, in group order (used for configuration checks)."""
         if group.size == 1:

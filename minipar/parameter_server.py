@@ -1,0 +1,319 @@
+"""Parameter server: some ranks own the parameters, the others compute gradients.
+
+The world splits into ``servers`` server ranks (global ranks 0 .. S-1) and W = world - S
+worker ranks. Each server owns a partition of the parameters -- whole tensors, balanced by
+size -- and the optimizer state of that partition (the user's optimizer class over those
+tensors only). One worker step:
+
+    worker w                                  server s
+    forward, backward on its local batch
+    push  grads of partition s  ----------->  (sync)  wait for all W pushes, average, clip, step
+                                              (async) apply w's push at once, scaled 1/W, step
+    pull  params of partition s <-----------  reply with the partition's current values
+
+Every message is a point-to-point send/recv through ``mesh.comm`` on the world group, so
+``mesh.comm.counting()`` sees every byte; the servers' only collective is the all-reduce of
+their partial squared gradient norms (sync clipping) on a group of their own.
+
+Modes:
+
+* ``"sync"``: the servers step once per round, on the mean of every worker's gradient: with
+  equal per-worker batches this is the single-process run on the global batch, step for step.
+  ``max_norm`` clips the *global* gradient: each server's partial sum of squares, summed over
+  the servers, is the squared norm of the whole averaged gradient.
+* ``"async"``: a server applies each push as it arrives (gradient / W, one optimizer step), so
+  workers never wait for each other -- and compute on parameters that others have moved on
+  since. ``staleness=k`` bounds that, the stale-synchronous-parallel way (Ho et al., 2013): a
+  worker about to compute its step c waits until every unfinished worker has pushed at least
+  c - k gradients, so the parameters it computes on hold every update of every step < c - k
+  (their *version*, ``clock`` below, is at least c - k). ``staleness=0`` is lock-step rounds;
+  None never waits. ``max_norm`` here clips each worker's own gradient before it is pushed
+  (each push is its own step, so that is the gradient the step sees).
+
+Whole tensors keep each optimizer step identical to the single-process one for any optimizer
+(also those that look at a tensor's shape or norm); the price is balance: a server holds at
+least the largest tensor, so S is useful up to about (parameter bytes / largest tensor).
+
+Every rank builds the same model; the workers start from the servers' values (the first pull),
+like DDP starts from rank 0's. Servers run ``serve()`` until every worker has called
+``finish()``; a worker calls ``train_step`` once per step.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .comm import AxisGroup
+from .mesh import Mesh
+
+MODES = ("sync", "async")
+_PUSH, _DONE = 1.0, 0.0  # the last element of a push: a gradient, or "this worker has finished"
+_OK, _FAILED = 1.0, 0.0  # the last element of a reply
+_HEADER = 3  # reply: (sync: loss, version, grad norm | async: clock, updates, 0), then the status
+
+
+class ParameterServer:
+    """Train ``model`` with parameter servers on the first ``servers`` ranks of ``mesh``.
+
+    Args:
+        model: the model, built identically on every rank; moved to ``mesh.device``.
+        mesh: a purely data-parallel `Mesh` (tp = pp = cp = 1) over the whole world.
+        optimizer: the optimizer class each server runs over its partition; ``**optimizer_kwargs``
+            are its arguments (e.g. ``torch.optim.AdamW, lr=1e-3, weight_decay=0.1``).
+        servers: how many server ranks, 1 <= servers < world size.
+        mode: "sync" or "async".
+        staleness: async only: a worker computes its step c on parameters that hold every worker's
+            steps < c - staleness (it waits otherwise); None: no bound.
+        max_norm: clip the gradient to this global 2-norm before each step (see the module doc).
+
+    Raises ValueError, on every rank and before any communication, for a configuration that
+    cannot run; then one small collective checks every rank passed the same one.
+    """
+
+    def __init__(self, model: nn.Module, mesh: Mesh, optimizer: type[torch.optim.Optimizer] = torch.optim.AdamW,
+                 *, servers: int = 1, mode: str = "sync", staleness: int | None = None,
+                 max_norm: float | None = None, **optimizer_kwargs: Any) -> None:
+        params = list(model.parameters())  # shared (tied) tensors once
+        _check_config(mesh, params, servers, mode, staleness, max_norm)
+        self.mesh, self.mode, self.staleness, self.max_norm = mesh, mode, staleness, max_norm
+        self.model = model.to(mesh.device)
+        self.params = list(self.model.parameters())
+        self.n_servers, self.n_workers = servers, mesh.world_size - servers
+        self.server_ranks = tuple(range(servers))
+        self.worker_ranks = tuple(range(servers, mesh.world_size))
+        self.is_server = mesh.rank < servers
+        self.partitions = partition_by_size([p.numel() for p in self.params], servers)
+        self.numels = [sum(self.params[i].numel() for i in part) for part in self.partitions]
+        self.dtype = self.params[0].dtype
+
+        self.world = mesh.world
+        mesh.comm.check_same("ParameterServer(servers, mode, staleness, max_norm, parameter shapes)",
+                             (servers, mode, staleness, max_norm, [tuple(p.shape) for p in self.params]),
+                             self.world, where=mesh.where)
+        # The servers' own group, for the norm all-reduce; every rank creates both groups, in order.
+        pg = mesh._new_groups([list(self.server_ranks), list(self.worker_ranks)])
+        mine = self.server_ranks if self.is_server else self.worker_ranks
+        self.group = AxisGroup("ps_servers" if self.is_server else "ps_workers", mine, mine.index(mesh.rank),
+                               pg if len(mine) > 1 else None)
+
+        self.versions_used: list[tuple[int, int]] = []  # worker: (step, clock of the parameters it used)
+        self.applied: list[tuple[int, int, int]] = []  # server: (worker, its step, updates before it)
+        self.steps = 0
+        self.last_grad_norm = 0.0
+        if self.is_server:
+            self.shard = self.partitions[mesh.rank]
+            owned = [self.params[i] for i in self.shard]
+            self.optimizer = optimizer(owned, **optimizer_kwargs) if owned else None
+            for w in self.worker_ranks:  # the first pull: every worker starts from the servers' values
+                mesh.comm.send(self._reply(0.0, 0.0, 0.0), w, self.world, tag="ps_pull")
+        else:
+            self._pull([])
+
+    # -- worker ----------------------------------------------------------------
+
+    def train_step(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
+        """Worker: forward, loss, backward on this worker's batch, push the gradients, pull the new
+        parameters. Returns the loss: sync, the mean over the workers (the global batch's loss);
+        async, this worker's own."""
+        if self.is_server:
+            raise RuntimeError(f"rank {self.mesh.rank} is a parameter server: call serve(), not train_step")
+        for p in self.params:
+            p.grad = None
+        loss = loss_fn(self.model(inputs), targets)
+        loss.backward()
+        if self.mode == "async" and self.max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self.params, self.max_norm)
+        self.steps += 1  # the pulled parameters are for the next step
+        header = self._exchange(loss.detach().reshape(1).to(self.dtype), _PUSH)
+        if self.mode == "sync":
+            self.last_grad_norm = header[2].item()  # of the global gradient, before clipping (0 without max_norm)
+        return torch.as_tensor(header[0].item() if self.mode == "sync" else loss.item())
+
+    def finish(self) -> None:
+        """Worker: tell every server this worker is done (no reply); call it once, after the last step."""
+        if self.is_server:
+            raise RuntimeError(f"rank {self.mesh.rank} is a parameter server: serve() returns by itself")
+        for s in self.server_ranks:
+            done = torch.zeros(self.numels[s] + 2, dtype=self.dtype, device=self.mesh.device)
+            done[-1] = _DONE
+            self.mesh.comm.send(done, s, self.world, tag="ps_done")
+
+    def _exchange(self, loss: torch.Tensor, flag: float) -> torch.Tensor:
+        """Push every partition's gradient to its server, then pull every partition; returns the
+        first server's reply header. Sends are posted before the receives: a server replies only
+        after it has our push, so neither side waits on the other."""
+        sends = []
+        for s in self.server_ranks:
+            grads = [self.params[i].grad if self.params[i].grad is not None else torch.zeros_like(self.params[i])
+                     for i in self.partitions[s]]
+            msg = torch.cat([g.reshape(-1) for g in grads] + [loss, loss.new_full((1,), flag)])
+            sends.append(self.mesh.comm.send(msg, s, self.world, async_op=True, tag="ps_push"))
+        headers = self._pull(sends)
+        return headers[0]
+
+    def _pull(self, sends: list) -> list[torch.Tensor]:
+        replies = [self._reply_buffer(s) for s in self.server_ranks]
+        works = [self.mesh.comm.recv(r, s, self.world, async_op=True, tag="ps_pull")
+                 for s, r in zip(self.server_ranks, replies)]
+        for w in sends + works:
+            w.wait()
+        headers = []
+        with torch.no_grad():
+            for s, reply in zip(self.server_ranks, replies):
+                if reply[-1].item() != _OK:
+                    raise RuntimeError(f"parameter server {s} stopped the run: the workers did not take the same "
+                                       "number of steps (sync mode needs every worker in every round)")
+                offset = 0
+                for i in self.partitions[s]:
+                    p = self.params[i]
+                    p.copy_(reply[offset:offset + p.numel()].view_as(p))
+                    offset += p.numel()
+                headers.append(reply[offset:offset + _HEADER])
+        if self.mode == "async":  # the parameters' clock: the oldest any server's partition holds
+            self.versions_used.append((self.steps, min(int(h[0].item()) for h in headers)))
+        return headers
+
+    def _reply_buffer(self, server: int) -> torch.Tensor:
+        return torch.empty(self.numels[server] + _HEADER + 1, dtype=self.dtype, device=self.mesh.device)
+
+    # -- server ----------------------------------------------------------------
+
+    def serve(self) -> None:
+        """Server: answer the workers until every one has called ``finish()``."""
+        if not self.is_server:
+            raise RuntimeError(f"rank {self.mesh.rank} is a worker: call train_step and finish, not serve()")
+        (self._serve_sync if self.mode == "sync" else self._serve_async)()
+
+    def _serve_sync(self) -> None:
+        n = self.numels[self.mesh.rank]
+        while True:
+            inbox = [torch.empty(n + 2, dtype=self.dtype, device=self.mesh.device) for _ in self.worker_ranks]
+            works = [self.mesh.comm.recv(buf, w, self.world, async_op=True, tag="ps_push")
+                     for w, buf in zip(self.worker_ranks, inbox)]
+            for work in works:
+                work.wait()
+            done = [buf[-1].item() == _DONE for buf in inbox]
+            if all(done):
+                return
+            if any(done):  # some finished, some pushed: tell the pushers, then fail here too
+                for w, d in zip(self.worker_ranks, done):
+                    if not d:
+                        self.mesh.comm.send(self._reply(0.0, 0.0, 0.0, _FAILED), w, self.world, tag="ps_pull")
+                raise RuntimeError("sync parameter server: some workers finished while others pushed a gradient; "
+                                   "every worker must take the same number of steps")
+            mean = torch.stack(inbox).mean(dim=0)
+            norm = self._set_grads(mean[:n])
+            self._step()
+            reply = self._reply(mean[n].item(), float(self.steps), norm)
+            sends = [self.mesh.comm.send(reply, w, self.world, async_op=True, tag="ps_pull")
+                     for w in self.worker_ranks]
+            for s in sends:
+                s.wait()
+
+    def _serve_async(self) -> None:
+        n, W = self.numels[self.mesh.rank], self.n_workers
+        inbox = torch.empty(n + 2, dtype=self.dtype, device=self.mesh.device)
+        pushes = [0] * W  # gradients applied from each worker: its step count
+        finished = [False] * W
+        waiting = [False] * W  # pushed, not yet answered
+        sending: list = [None] * W
+        while not all(finished):
+            # Whichever worker pushes first is served first. Blocking here cannot deadlock: the
+            # gate below always releases the slowest unfinished worker, so someone is computing.
+            i = self.mesh.comm.recv_any(inbox, self.world, tag="ps_push") - self.n_servers
+            if inbox[-1].item() == _DONE:
+                finished[i] = True
+            else:
+                self.applied.append((i, pushes[i], self.steps))
+                self._set_grads(inbox[:n] / W)
+                self._step()
+                pushes[i] += 1
+                waiting[i] = True
+            clock = min((pushes[j] for j in range(W) if not finished[j]), default=max(pushes))
+            for j in range(W):
+                # Stale-synchronous gate: step pushes[j] may start once every unfinished worker has
+                # pushed at least pushes[j] - staleness gradients (clock >= pushes[j] - staleness).
+                if waiting[j] and (self.staleness is None or pushes[j] - clock <= self.staleness):
+                    if sending[j] is not None:
+                        sending[j].wait()
+                    sending[j] = self.mesh.comm.send(self._reply(float(clock), float(self.steps), 0.0),
+                                                     self.worker_ranks[j], self.world, async_op=True, tag="ps_pull")
+                    waiting[j] = False
+        for s in sending:
+            if s is not None:
+                s.wait()
+
+    def _set_grads(self, flat_grad: torch.Tensor) -> float:
+        """Unflatten this server's gradient into .grad; clip (sync) to the global norm; return the norm."""
+        owned = [self.params[i] for i in self.shard]
+        offset = 0
+        for p in owned:
+            p.grad = flat_grad[offset:offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+        if self.max_norm is None or self.mode == "async":
+            return 0.0
+        # |g|^2 = sum over servers of |g_s|^2: one all-reduce of a scalar among the servers.
+        sq = flat_grad.double().pow(2).sum().reshape(1).to(torch.float64)
+        self.mesh.comm.all_reduce(sq, self.group, tag="ps_grad_norm")
+        norm = sq.sqrt().item()
+        coef = min(1.0, self.max_norm / (norm + 1e-6))  # torch.nn.utils.clip_grad_norm_'s rule
+        if coef < 1.0:
+            for p in owned:
+                p.grad.mul_(coef)
+        return norm
+
+    def _step(self) -> None:
+        if self.optimizer is not None:
+            self.optimizer.step()
+            self.optimizer.zero_grad()
+        self.steps += 1
+
+    def _reply(self, a: float, b: float, c: float, status: float = _OK) -> torch.Tensor:
+        """This server's partition, flat, then the header (a, b, c) and the status."""
+        with torch.no_grad():
+            values = [self.params[i].detach().reshape(-1) for i in self.partitions[self.mesh.rank]]
+            header = torch.tensor([a, b, c, status], dtype=self.dtype, device=self.mesh.device)
+            return torch.cat(values + [header])
+
+
+def partition_by_size(numels: list[int], parts: int) -> list[list[int]]:
+    """Indices of whole tensors per part, balanced by size: largest first onto the lightest part
+    (LPT: the heaviest part is at most 4/3 of the optimum). Each part's indices in model order."""
+    loads = [0] * parts
+    out: list[list[int]] = [[] for _ in range(parts)]
+    for i in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):
+        k = min(range(parts), key=lambda k: (loads[k], k))
+        out[k].append(i)
+        loads[k] += numels[i]
+    return [sorted(p) for p in out]
+
+
+def _check_config(mesh: Mesh, params: list, servers: Any, mode: str, staleness: Any, max_norm: Any) -> None:
+    if mesh.tp * mesh.pp * mesh.cp != 1:
+        raise ValueError(f"ParameterServer needs a purely data-parallel mesh; got {mesh!r}: build Mesh() "
+                         "(dp = world size)")
+    if not params:
+        raise ValueError("the model has no parameters: there is nothing to serve")
+    if isinstance(servers, bool) or not isinstance(servers, int) or not 1 <= servers < mesh.world_size:
+        raise ValueError(f"servers={servers!r} must be an integer with 1 <= servers < world size "
+                         f"({mesh.world_size}), so at least one rank is left to be a worker")
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r}: choose one of {MODES}")
+    if mode == "async" and dist.get_backend() != "gloo":
+        raise ValueError("the async mode's servers receive from whichever worker pushes first, which only gloo "
+                         "supports; use mode='sync' or the gloo backend (MINIPAR_BACKEND=gloo)")
+    if staleness is not None:
+        if mode != "async":
+            raise ValueError("staleness bounds the async mode; sync mode is never stale: drop staleness "
+                             "or pass mode='async'")
+        if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
+            raise ValueError(f"staleness={staleness!r} must be an integer >= 0 (or None: unbounded)")
+    if max_norm is not None and not max_norm > 0:
+        raise ValueError(f"max_norm={max_norm!r} must be > 0 (or None: no clipping)")
+    if len({p.dtype for p in params}) != 1:
+        raise ValueError("ParameterServer sends each partition as one flat tensor: every parameter must have "
+                         f"the same dtype; got {sorted({str(p.dtype) for p in params})}")
