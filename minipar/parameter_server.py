@@ -314,6 +314,9 @@ def _check_config(mesh: Mesh, params: list, servers: Any, mode: str, staleness: 
             raise ValueError(f"staleness={staleness!r} must be an integer >= 0 (or None: unbounded)")
     if max_norm is not None and not max_norm > 0:
         raise ValueError(f"max_norm={max_norm!r} must be > 0 (or None: no clipping)")
+    if mode == "async" and params and params[0].dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"the async mode sends step counts beside the parameters, in their dtype: {params[0].dtype} "
+                         "cannot count exactly; keep float32 parameters (cast with MixedPrecision-style autocast)")
     if len({p.dtype for p in params}) != 1:
         raise ValueError("ParameterServer sends each partition as one flat tensor: every parameter must have "
                          f"the same dtype; got {sorted({str(p.dtype) for p in params})}")
