@@ -168,6 +168,26 @@ def test_async_without_bound_runs_ahead(pools):
     assert _worst_lag(results) > 2
 
 
+def _uneven_async(ctx, staleness):
+    ps = ParameterServer(GPT(GPTConfig(**_cfg(0))), Mesh(), torch.optim.SGD, servers=2, mode="async",
+                         staleness=staleness, lr=0.1)
+    if ps.is_server:
+        ps.serve()
+        return len(ps.applied)
+    x = torch.randint(0, 31, (1, 6))
+    for _ in range(2 + 3 * ctx.rank):  # workers 2 and 3 take 8 and 11 steps
+        ps.train_step(x[:, :-1], x[:, 1:], gpt_loss)
+    ps.finish()
+    return ps.steps
+
+
+@pytest.mark.parametrize("staleness", [0, 2, None])
+def test_async_workers_with_different_step_counts_all_finish(pools, staleness):
+    """A worker that finishes early stops holding the others back: every rank returns (no hang),
+    and each server applied every push."""
+    assert pools.run(4, _uneven_async, staleness, timeout=120) == [19, 19, 8, 11]
+
+
 # -- configuration ----------------------------------------------------------------------------------------
 
 
