@@ -26,9 +26,11 @@ Modes:
   since. ``staleness=k`` bounds that, the stale-synchronous-parallel way (Ho et al., 2013): a
   worker about to compute its step c waits until every unfinished worker has pushed at least
   c - k gradients, so the parameters it computes on hold every update of every step < c - k
-  (their *version*, ``clock`` below, is at least c - k). ``staleness=0`` is lock-step rounds;
-  None never waits. ``max_norm`` here clips each worker's own gradient before it is pushed
-  (each push is its own step, so that is the gradient the step sees).
+  (their *version*, ``clock`` below, is at least c - k). ``staleness=0`` gives lock-step
+  rounds (each push still its own step); None never waits. ``max_norm`` here clips each
+  worker's own gradient before it is pushed (each push is its own step, so that is the
+  gradient the step sees). A server takes pushes in arrival order with `Comm.recv_any`, an
+  any-source receive that only gloo has: the async mode needs gloo.
 
 Whole tensors keep each optimizer step identical to the single-process one for any optimizer
 (also those that look at a tensor's shape or norm); the price is balance: a server holds at
