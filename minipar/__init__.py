@@ -10,6 +10,7 @@ Public API:
     recompute             -- activation checkpointing (minipar.recompute; ShardedModule(activation_checkpointing=))
     OneBitAdam            -- 1-bit Adam, its compressed momentum exchange replacing DDP's all-reduce (minipar.onebit)
     formulas, plan        -- the state/traffic/activation arithmetic and the layout planner (python -m minipar.plan)
+    ParameterServer       -- servers own parameter partitions, workers push and pull (minipar.parameter_server)
     data_parallel         -- single-process DataParallel, the teaching contrast to DDP (minipar.data_parallel)
 """
 
@@ -18,6 +19,7 @@ from .comm import AxisGroup, Comm, CommStats
 from .comm_errors import CollectiveError
 from .mesh import Mesh, init, shutdown
 from .onebit import OneBitAdam
+from .parameter_server import ParameterServer
 from .precision import MixedPrecision
 from .pipeline import PipelineConfig, StageSpec
 from .sharded import ShardedModule
@@ -26,5 +28,5 @@ from .tensor_parallel import TensorParallelConfig
 
 __all__ = ["init", "shutdown", "Mesh", "ShardedModule", "STRATEGIES", "DataParallelConfig", "TensorParallelConfig",
            "PipelineConfig", "StageSpec", "MixedPrecision", "Comm", "CommStats", "CollectiveError", "AxisGroup", "regions", "checkpoint", "recompute",
-           "OneBitAdam"]
+           "OneBitAdam", "ParameterServer"]
 __version__ = "0.1.0"
