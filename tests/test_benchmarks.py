@@ -226,3 +226,19 @@ def test_onebit_adam_runs_and_reports_the_wire_ratio(tmp_path):
     assert "| 1-bit Adam |" in out and "| AdamW |" in out
     assert 0 < figures["wire_ratio"] <= 1 / 25
     assert figures["wire_bytes_per_step_onebit_after_warmup"] * 25 <= figures["wire_bytes_per_step_adamw"]
+
+
+def test_ps_vs_ddp_runs_and_reports_the_busiest_rank(tmp_path):
+    """benchmarks/ps_vs_ddp.py on 3 ranks (1 server + 2 workers beside 3-rank DDP), a few steps: the
+    table and --json carry every side; the server is the busiest rank, carrying about 2·W·Φ/S per
+    step against DDP's 4(n−1)/n·Φ per rank (whole tensors per server: within 2%)."""
+    result = tmp_path / "ps.json"
+    out = _torchrun("ps_vs_ddp.py", "--steps", "3", "--warmup", "1", "--n-embd", "16", "--vocab", "64", "--seq", "16",
+                    "--batch", "2", "--json", str(result), nproc=3)
+    figures = json.loads(result.read_text())
+    rows = {r["side"]: r for r in figures["rows"]}
+    assert {"ddp", "ps sync"} <= set(rows) and "ps sync" in out
+    phi = figures["param_bytes"]
+    assert abs(rows["ddp"]["busiest_through"] - 4 * 2 / 3 * phi) <= 0.02 * phi * 4
+    assert rows["ps sync"]["busiest_rank"] == 0  # the server
+    assert abs(rows["ps sync"]["busiest_through"] - 2 * 2 * phi) <= 0.02 * 4 * phi
