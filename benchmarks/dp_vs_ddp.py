@@ -252,7 +252,7 @@ def main(argv=None) -> int:
           f"module's, the slices views of the batch); {sum(devices_bytes.values()):,} on {k} separate devices")
     print(f"minipar DDP per step and rank: all_reduce tag 'grad' {ddp['all_reduce_bytes_per_step']:,.0f} B "
           f"(parameter bytes {param_bytes:,}), {ddp['all_reduce_wire_bytes_per_step']:,.0f} B on the wire")
-    print(f"\nlosses, first/last timed step: " + ", ".join(
+    print("\nlosses, first/last timed step: " + ", ".join(
         f"{name} {losses[name][0]:.4f}/{losses[name][-1]:.4f}" for name in ("one", "dp", "ddp")))
     print(f"largest loss difference from one thread: dp {loss_diff['dp']:.2e}, ddp {loss_diff['ddp']:.2e}")
     print(f"wall time: {wall:.1f} s")
