@@ -209,17 +209,23 @@ def test_layout_equals_single_process(pools, c):
             for k, v in ref_state.items():
                 torch.testing.assert_close(state[k], v, msg=lambda s: f"rank {rank} {k}: {s}")
         else:
-            _assert_same_updates(state, ref_state, initial, where)
+            _assert_same_updates(state, ref_state, initial, where, moe=c["moe"] != "dense")
 
 
-def _assert_same_updates(state: dict, ref_state: dict, initial: dict, where) -> None:
+def _assert_same_updates(state: dict, ref_state: dict, initial: dict, where, moe: bool = False) -> None:
     """bf16 against the fp32 reference. AdamW's first steps move each element by about
     lr * sign(gradient), so an element whose gradient is near zero may go either way, and an
     elementwise tolerance would have to admit any two trajectories. Instead each tensor's update
     (parameters minus their initial values) must point the reference's way and be as large
     (cosine > 0.95, norm within 10%). Tensors the gradient hardly moves in the reference (a key
     bias, whose gradient is zero in exact arithmetic: only rounding noise and weight decay move it)
-    carry no direction to compare; they may be at most a tenth of the elements."""
+    carry no direction to compare; they may be at most a tenth of the elements.
+
+    With ``moe``, an expert's own tensors (``mlp.w1/w2/b1/b2`` of an MoE layer) need cosine > 0.9:
+    bf16 hidden states can flip a near-tied top-k choice, so an expert sees a token or two the
+    reference gave another expert, and its few-token bias moves accordingly (the fp32 twin of
+    w8-zero3-tp2sp-pp1-moe-hsdp-cp2ring equals the reference at fp32 tolerances; the bf16 one has
+    layers.1.mlp.b2 at cosine 0.92, with or without HSDP)."""
     checked = total = 0
     for k, ref in ref_state.items():
         d = (state[k] - initial[k]).double().flatten()
@@ -228,7 +234,8 @@ def _assert_same_updates(state: dict, ref_state: dict, initial: dict, where) -> 
         if r.norm() < 1e-3 * LR * r.numel() ** 0.5:  # a thousandth of one step: rounding noise
             continue
         cos, ratio = float(d @ r / (d.norm() * r.norm())), float(d.norm() / r.norm())
-        assert cos > 0.95 and 0.9 < ratio < 1.1, where(f"{k}: update cosine {cos:.4f}, norm ratio {ratio:.4f}")
+        expert = moe and any(k.endswith(f"mlp.{t}") for t in ("w1", "w2", "b1", "b2"))
+        assert cos > (0.9 if expert else 0.95) and 0.9 < ratio < 1.1, where(f"{k}: update cosine {cos:.4f}, norm ratio {ratio:.4f}")
         checked += r.numel()
     assert checked >= 0.9 * total, where(f"only {checked} of {total} elements had an update to compare")
 
