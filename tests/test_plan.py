@@ -96,15 +96,21 @@ TP_CFG = dict(vocab_size=24, block_size=8, n_layer=2, n_head=2, n_embd=8, bias=T
 TAGS = {"grad", "param", "tp", "pp_act", "pp_grad", "cp_kv", "cp_kv_grad", "cp_ulysses"}
 
 
-def _layout_step(ctx, sizes, strategy, options, batch):
-    mesh = Mesh(**sizes)
-    sharded = ShardedModule(GPT(GPTConfig(**TP_CFG)), mesh=mesh, strategy=strategy, **options)
+def _counted_step(mesh, model, strategy, options, batch):
+    """One training step (train_step, optimizer step) of ``model`` wrapped on ``mesh``, its collectives
+    counted: (the wrapped model, the counts, its ParamSet)."""
+    sharded = ShardedModule(model, mesh=mesh, strategy=strategy, **options)
     opt = sharded.build_optimizer(torch.optim.AdamW, lr=1e-3)
     x = torch.randint(0, 24, (batch, 9), generator=torch.Generator().manual_seed(mesh.dp_rank))
     with mesh.comm.counting() as stats:
         sharded.train_step(x[:, :-1], x[:, 1:], sharded.cross_entropy)
         opt.step()
-    ps = F.ParamSet.of(sharded.module)
+    return sharded, stats, F.ParamSet.of(sharded.module)
+
+
+def _layout_step(ctx, sizes, strategy, options, batch):
+    mesh = Mesh(**sizes)
+    sharded, stats, ps = _counted_step(mesh, GPT(GPTConfig(**TP_CFG)), strategy, options, batch)
     info = dict(dp=mesh.dp, cp=mesh.cp, tp=mesh.tp, pp=mesh.pp, pp_rank=mesh.pp_rank,
                 shard_rank=mesh.group(mesh.shard_axis).rank, layers=sum(1 for _ in _blocks(sharded.module)))
     out = dict(memory=sharded.memory_stats(), records=_counted(stats.records, TAGS), info=info,
@@ -178,13 +184,7 @@ MOE_CFG = dict(vocab_size=24, block_size=8, n_layer=2, n_head=2, n_embd=8, bias=
 def _moe_step(ctx, sizes, strategy, batch):
     from minipar.models import MoEGPT, MoEGPTConfig
     mesh = Mesh(**sizes)
-    sharded = ShardedModule(MoEGPT(MoEGPTConfig(**MOE_CFG)), mesh=mesh, strategy=strategy)
-    opt = sharded.build_optimizer(torch.optim.AdamW, lr=1e-3)
-    x = torch.randint(0, 24, (batch, 9), generator=torch.Generator().manual_seed(mesh.dp_rank))
-    with mesh.comm.counting() as stats:
-        sharded.train_step(x[:, :-1], x[:, 1:], sharded.cross_entropy)
-        opt.step()
-    ps = F.ParamSet.of(sharded.module)
+    sharded, stats, ps = _counted_step(mesh, MoEGPT(MoEGPTConfig(**MOE_CFG)), strategy, {}, batch)
     out = dict(memory=sharded.memory_stats(), records=_counted(stats.records, {"grad", "param"}),
                moe=stats.bytes("all_to_all", "ep", "moe_dispatch") + stats.bytes("all_to_all", "ep", "moe_combine"),
                ps=([t.numel() for t in ps.tensors], ps.expert, ps.units, ps.has_root), dp=mesh.dp, edp=mesh.group("edp").size,
