@@ -39,7 +39,7 @@ from .moe import check_moe_config, moe_layers, shard_experts
 from .recompute import check_units, checkpoint_modules, select_checkpointed
 from .pipeline import Stage, default_boundaries, resolve_boundaries, spec_for
 from .pipeline.spec import find
-from .pipeline.step import SPLIT_BACKWARD, Pipeline, PipelineConfig
+from .pipeline.step import Pipeline, PipelineConfig
 from .precision import FP32
 from .strategy import DataParallelConfig, Strategy
 from .tensor_parallel import TensorParallelConfig, check_plan, mark_sequence_parallel, parallelize, vocab_parallel_cross_entropy
@@ -146,7 +146,6 @@ class ShardedModule(nn.Module):
             tied_shape = (tied.shape[0] // mesh.tp,) + tuple(tied.shape[1:]) if tied is not None else None
             runner = Pipeline(mesh, pp_config, spec.hidden_size, tied_shape,
                               seq_divisor=mesh.tp if sequence_parallel else 1)
-            pp_config.schedule_for(mesh.pp)  # a micro-batch count the schedule cannot run
             pieces = mesh.pp * pp_config.chunks
             if pp_config.chunks > 1 and pieces > n_blocks:  # (one chunk: balanced_boundaries says it)
                 raise ValueError(f"pp={mesh.pp} x {pp_config.chunks} chunk(s) per rank ({pp_config.schedule}) makes "
@@ -154,7 +153,7 @@ class ShardedModule(nn.Module):
                                  "use fewer stages or chunks")
             boundaries = default_boundaries(module, pieces, spec) if pp_config.boundaries is None else \
                 resolve_boundaries(pp_config.boundaries, n_blocks, pieces)
-            if pp_config.schedule in SPLIT_BACKWARD and dp_config.zero3 and reshard_after_forward:
+            if runner.splits_backward and dp_config.zero3 and reshard_after_forward:
                 raise ValueError(f"schedule={pp_config.schedule!r} computes weight gradients (W) after the "
                                  "backward that freed the gathered parameters with reshard_after_forward=True; "
                                  "leave reshard_after_forward unset (False under a pipeline) or use '1f1b'")

@@ -21,7 +21,7 @@ from hypothesis import example, given, strategies as st
 
 from minipar import Mesh, ShardedModule
 from minipar.models import GPT, GPTConfig
-from minipar.pipeline import SCHEDULES, Stage, simulate
+from minipar.pipeline import SCHEDULES, Stage, chunks_per_rank, simulate
 from minipar.pipeline.split_backward import backward_input
 
 from test_pipeline import LAYOUTS, _assert_equal_to_reference, _assert_tied_copies_identical, _reference, \
@@ -149,7 +149,7 @@ def schedule_cases(draw):
     schedule = draw(st.sampled_from(["interleaved_1f1b", "zb_h1", "zb_v"]))
     layout = draw(st.sampled_from(sorted(LAYOUTS)))
     p = LAYOUTS[layout][1]["pp"]
-    v = draw(st.integers(2, 3)) if schedule == "interleaved_1f1b" else 2 if schedule == "zb_v" else 1
+    v = chunks_per_rank(schedule, draw(st.integers(2, 3)))
     m = p * draw(st.integers(1, 4)) if schedule == "interleaved_1f1b" else draw(st.integers(p, 4 * p))
     strategy = draw(st.sampled_from(["ddp", "zero1", "zero2", "zero3"]))
     options = dict(schedule=schedule, microbatches=m, strategy=strategy)
@@ -168,8 +168,7 @@ def _case(schedule, layout, m, strategy="ddp", v=None, tie=True, seed=0, extra=1
     if v is not None:
         options["virtual_stages"] = v
     p = LAYOUTS[layout][1]["pp"]
-    chunks = v or (2 if schedule == "zb_v" else 1)
-    return dict(layout=layout, options=options, n_layer=p * chunks + extra, tie=tie, seed=seed)
+    return dict(layout=layout, options=options, n_layer=p * chunks_per_rank(schedule, v) + extra, tie=tie, seed=seed)
 
 
 # Every schedule at pp 2 and 4, with each data-parallel strategy, tp (+ sequence parallelism) and
@@ -205,7 +204,7 @@ def test_schedule_equals_single_process(pools, case):
     _assert_equal_to_reference(results, ref)
     if options["schedule"] != "zb_v":  # under ZB-V rank 0 holds both ends: one shared Parameter
         _assert_tied_copies_identical(results, case["tie"])
-    expected = simulate(SCHEDULES[options["schedule"]](p, m, options.get("virtual_stages", 2 if
-                                                                          options["schedule"] == "zb_v" else 1)))
+    chunks = chunks_per_rank(options["schedule"], options.get("virtual_stages"))
+    expected = simulate(SCHEDULES[options["schedule"]](p, m, chunks))
     for r in results:
         assert max(r["peaks"]) == expected["peak_live"][r["pp_rank"]], (r["pp_rank"], r["peaks"], expected["peak_live"])

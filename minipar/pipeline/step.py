@@ -32,9 +32,6 @@ from .spec import StageSpec
 from .stage import sync_tied_grads
 
 
-# The schedules that split the backward into B (input gradient) and W (weight gradients).
-SPLIT_BACKWARD = ("zb_h1", "zb_v")
-
 
 @dataclass(frozen=True)
 class PipelineConfig:
@@ -91,11 +88,14 @@ class Pipeline:
 
     def __init__(self, mesh: Mesh, config: PipelineConfig, hidden: int, tied_shape: tuple,
                  seq_divisor: int = 1) -> None:
-        schedule, microbatches, record_timeline = config.schedule, config.microbatches, config.record_timeline
-        self.mesh, self.schedule, self.microbatches, self.config = mesh, schedule, microbatches, config
+        self.mesh, self.config = mesh, config
+        self.microbatches, self.record_timeline = config.microbatches, config.record_timeline
+        # Every rank's actions, built once (a micro-batch count the schedule cannot run: ValueError
+        # here, before any collective); a schedule with W actions splits the backward.
+        self.actions = config.schedule_for(mesh.pp)
+        self.splits_backward = any(a.kind == "W" for acts in self.actions for a in acts)
         self.hidden, self.tied_shape = hidden, tied_shape
         self.seq_divisor = seq_divisor  # sequence parallelism: activations between stages are sequence shards
-        self.record_timeline = record_timeline
         self.timeline: list = []  # (action, start, end) of this stage's last step, when recorded
         self.grad_group = None  # where gradients travel when activations and gradients share a pair (`connect`)
         self.peak_live_activations = 0
@@ -118,7 +118,6 @@ class Pipeline:
         for layer in moe_layers(stage):  # the loss is a mean over m micro-batches; so is the auxiliary loss
             layer.aux_scale = 1.0 / m
         act_shape = (inputs.shape[0] // m, inputs.shape[1] // self.seq_divisor, self.hidden)
-        schedule = self.config.schedule_for(mesh.pp)
         scale = strategy.scaler.scale if strategy.scaler.enabled else None
         stage_loss = loss_fn if scale is None else (lambda out, y: loss_fn(out, y) * scale)  # fp16: scaled backward
         # What the tied weight's gradient held before this step (DDP keeps an earlier step's reduced
@@ -128,7 +127,7 @@ class Pipeline:
         self.timeline = [] if self.record_timeline else self.timeline
         with strategy.no_sync():
             loss, self.peak_live_activations = run_schedule(
-                stage, schedule, mesh, list(inputs.chunk(m)) if stage.first else None,
+                stage, self.actions, mesh, list(inputs.chunk(m)) if stage.first else None,
                 list(targets.chunk(m)) if stage.last else None, stage_loss, act_shape,
                 next(stage.parameters()).dtype, timeline=self.timeline if self.record_timeline else None,
                 grad_group=self.grad_group)
