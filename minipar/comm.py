@@ -139,8 +139,9 @@ def _is_gloo(group: AxisGroup) -> bool:
 
 
 # What one call puts on the wire from this rank under the ring algorithms, as a share of its
-# payload (an all-to-all with equal splits keeps 1/n at home). The planner's formulas read the same
-# table (`minipar.formulas.wire_bytes`): one copy of this arithmetic.
+# payload. The collective layer records every call with it (an all-to-all with its actual splits:
+# what it keeps at home is known; the table's entry is the even-split model the planner uses), and
+# the formulas read the same table (`minipar.formulas.wire_bytes`): one copy of this arithmetic.
 WIRE_SHARE = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
               "all_gather": lambda n: (n - 1) / n, "broadcast": lambda n: 1, "send": lambda n: 1,
               "recv": lambda n: 0, "all_to_all": lambda n: (n - 1) / n}
@@ -176,12 +177,12 @@ class Comm:
         finally:
             self._open_stats.remove(stats)
 
-    def _record(self, op: str, group: AxisGroup, tag: str | None, payload: int, wire: float, dtype,
+    def _record(self, op: str, group: AxisGroup, tag: str | None, payload: int, wire: int, dtype,
                 shape: Any = None) -> None:
         # The ledger of the call in progress: what an error (a timeout, a lost peer) is reported as.
         self._current = (op, group, tag, shape, dtype)  # formatted only if it fails
         if self._open_stats:
-            rec = CommRecord(op, group.name, tag, int(payload), int(round(wire)), dtype, time.perf_counter())
+            rec = CommRecord(op, group.name, tag, int(payload), int(wire), dtype, time.perf_counter())
             for s in self._open_stats:
                 s.records.append(rec)
 
@@ -291,7 +292,7 @@ class Comm:
             output.copy_(input)
             return _Done() if async_op else None
         b = _nbytes(input)
-        self._record("all_to_all", group, tag, b, sent_to_others * row_bytes, input.dtype, input.shape)
+        self._record("all_to_all", group, tag, b, int(sent_to_others * row_bytes), input.dtype, input.shape)
         out_splits = None if output_splits is None else [int(s) for s in output_splits]
         return dist.all_to_all_single(output, input, out_splits, input_splits, group=group.pg, async_op=async_op)
 
@@ -310,7 +311,8 @@ class Comm:
     def recv(self, tensor: torch.Tensor, src: int, group: AxisGroup, async_op: bool = False,
              tag: str | None = None):
         """Point-to-point receive from group member ``src`` into ``tensor``."""
-        self._record("recv", group, tag, _nbytes(tensor), 0, tensor.dtype, tensor.shape)
+        self._record("recv", group, tag, _nbytes(tensor), wire_bytes("recv", group.size, _nbytes(tensor)), tensor.dtype,
+                     tensor.shape)
         if async_op:
             return dist.irecv(tensor, group.ranks[src], group=group.pg)
         dist.recv(tensor, group.ranks[src], group=group.pg)
@@ -320,7 +322,8 @@ class Comm:
     def recv_any(self, tensor: torch.Tensor, group: AxisGroup, tag: str | None = None) -> int:
         """Blocking receive into ``tensor`` from whichever group member sends first; returns that
         member's index in the group. Recorded as a "recv". gloo only (NCCL has no any-source receive)."""
-        self._record("recv", group, tag, _nbytes(tensor), 0, tensor.dtype, tensor.shape)
+        self._record("recv", group, tag, _nbytes(tensor), wire_bytes("recv", group.size, _nbytes(tensor)), tensor.dtype,
+                     tensor.shape)
         return group.ranks.index(dist.recv(tensor, None, group=group.pg))
 
     @_named

@@ -313,7 +313,8 @@ class ShardedModule(nn.Module):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip gradients by the norm of the whole model's gradient (`minipar.grad_norm`: every shard,
         padding excluded, tensor-parallel and expert pieces summed, stages summed, the tied weight
-        once); returns that norm, equal on every rank."""
+        once); returns that norm, equal on every rank (except after `minipar.OneBitAdam`'s warm-up,
+        where gradients are no longer reduced and each rank clips its own by its local norm)."""
         if self._join is not None:
             self._join.record("clip", max_norm, norm_type)
         self.strategy.unscale_()  # reduced and, in fp16, the loss scale divided out
