@@ -50,12 +50,13 @@ from __future__ import annotations
 import threading
 import time
 import traceback
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
 import torch
 import torch.nn as nn
+from torch.utils._pytree import tree_flatten, tree_map
 
 
 class ReplicaError(RuntimeError):
@@ -250,7 +251,7 @@ def scatter(args: tuple, kwargs: dict, devices: list[torch.device],
             profile: DataParallelProfile | None = None) -> list[tuple[tuple, dict]]:
     """(args, kwargs) -> one (args, kwargs) per replica used: each tensor with a batch dimension split
     along dim 0 (sizes differ by at most one, the larger first; only min(B, k) replicas), the rest as is."""
-    batch = [t.shape[0] for t in _tensors((args, kwargs)) if t.dim() > 0]
+    batch = [t.shape[0] for t in tree_flatten((args, kwargs))[0] if torch.is_tensor(t) and t.dim() > 0]
     if not batch:
         raise ValueError("DataParallel splits its inputs along dim 0, but no argument is a tensor with a "
                          "batch dimension")
@@ -267,9 +268,9 @@ def scatter(args: tuple, kwargs: dict, devices: list[torch.device],
             if id(obj) not in split:
                 split[id(obj)] = _Scatter.apply(sizes, devices[:k], profile, obj)
             return split[id(obj)][i]
-        return _map(obj, lambda o: piece(o, i))
+        return obj
 
-    return [(piece(args, i), piece(kwargs, i)) for i in range(k)]
+    return [tree_map(lambda o: piece(o, i), (args, kwargs)) for i in range(k)]
 
 
 def parallel_apply(replicas: list[nn.Module], slices: list[tuple[tuple, dict]],
@@ -364,36 +365,10 @@ def _on(device: torch.device):
     """The thread's current CUDA device set to ``device`` (a no-op for CPU): new tensors land there."""
     if device.type == "cuda":
         return torch.cuda.device(device)
-    return _nothing()
-
-
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield
+    return nullcontext()
 
 
 def _sync(devices: list[torch.device]) -> None:
     for d in dict.fromkeys(devices):
         if d.type == "cuda":
             torch.cuda.synchronize(d)
-
-
-def _map(obj: Any, fn) -> Any:
-    """``fn`` applied to the items of a tuple, list or dict (one level); anything else returned as is."""
-    if isinstance(obj, dict):
-        return type(obj)((k, fn(v)) for k, v in obj.items())
-    if isinstance(obj, (tuple, list)):
-        items = [fn(v) for v in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-    return obj
-
-
-def _tensors(obj: Any) -> Iterator[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v)
-    elif isinstance(obj, (tuple, list)):
-        for v in obj:
-            yield from _tensors(v)
