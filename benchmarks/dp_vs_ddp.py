@@ -132,6 +132,8 @@ def one_step(model, opt, x, y) -> tuple[float, float]:
     loss.backward()
     opt.step()
     opt.zero_grad()
+    if x.is_cuda:  # the optimizer's kernels, not only their launch
+        torch.cuda.synchronize()
     return time.perf_counter() - t0, loss.item()
 
 
@@ -146,6 +148,8 @@ def dp_step(dp: DataParallel, opt, x, y, profile) -> tuple[float, float]:
     t3 = time.perf_counter()
     opt.step()
     opt.zero_grad()
+    if x.is_cuda:
+        torch.cuda.synchronize()
     t4 = time.perf_counter()
     if profile is not None:
         profile.add("loss", t2 - t1)

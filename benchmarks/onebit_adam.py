@@ -48,6 +48,8 @@ def train(args, mesh, optimizer_cls, **extra) -> dict:
             model.clip_grad_norm_(1.0)  # after 1-bit Adam's warm-up: the local gradient, by its local norm
             opt.step()
             opt.zero_grad()
+        if mesh.device.type == "cuda":  # the optimizer's kernels, not only their launch
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         wire.append(stats.wire_bytes())
     return {"losses": losses, "wire": wire, "times": times,
