@@ -87,11 +87,19 @@ def clip_(pieces: list[GradPiece], mesh: Mesh, max_norm: float, norm_type: float
     """Scale every piece by min(1, max_norm / (norm + 1e-6)), as ``torch.nn.utils.clip_grad_norm_``;
     returns the norm. A nan norm writes nan into the pieces only (never a shard's padding)."""
     total = global_grad_norm(pieces, mesh, norm_type, skip)
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for piece in pieces:
-        if piece.grad.numel():
-            by_dtype.setdefault(piece.grad.dtype, []).append(piece.grad)
-    for dtype, grads in by_dtype.items():
-        torch._foreach_mul_(grads, coef.to(dtype))
+    scale_by_norm_([piece.grad for piece in pieces], total, max_norm)
     return total
+
+
+@torch.no_grad()
+def scale_by_norm_(grads: list[torch.Tensor], norm: torch.Tensor, max_norm: float) -> None:
+    """Scale ``grads`` in place by min(1, max_norm / (norm + 1e-6)), ``torch.nn.utils.clip_grad_norm_``'s
+    rule. ``norm``: a 0-d tensor on the grads' device; the factor stays there (no host sync), so a nan
+    norm writes nan into the grads, as torch's does. Empty grads (a shard's empty piece) are skipped."""
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for grad in grads:
+        if grad.numel():
+            by_dtype.setdefault(grad.dtype, []).append(grad)
+    for dtype, same in by_dtype.items():
+        torch._foreach_mul_(same, coef.to(dtype))

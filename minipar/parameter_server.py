@@ -50,6 +50,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .comm import AxisGroup
+from .grad_norm import scale_by_norm_
 from .mesh import Mesh
 
 MODES = ("sync", "async")
@@ -152,7 +153,7 @@ class ParameterServer:
         for s in self.server_ranks:
             grads = [self.params[i].grad if self.params[i].grad is not None else torch.zeros_like(self.params[i])
                      for i in self.partitions[s]]
-            msg = torch.cat([g.reshape(-1) for g in grads] + [loss, loss.new_full((1,), flag)])
+            msg = _flatten(grads + [loss, loss.new_full((1,), flag)])
             sends.append(self.mesh.comm.send(msg, s, self.world, async_op=True, tag="ps_push"))
         headers = self._pull(sends)
         return headers[0]
@@ -169,12 +170,11 @@ class ParameterServer:
                 if reply[-1].item() != _OK:
                     raise RuntimeError(f"parameter server {s} stopped the run: the workers did not take the same "
                                        "number of steps (sync mode needs every worker in every round)")
-                offset = 0
-                for i in self.partitions[s]:
-                    p = self.params[i]
-                    p.copy_(reply[offset:offset + p.numel()].view_as(p))
-                    offset += p.numel()
-                headers.append(reply[offset:offset + _HEADER])
+                owned = [self.params[i] for i in self.partitions[s]]
+                values, rest = _unflatten(reply, owned)
+                for p, v in zip(owned, values):
+                    p.copy_(v)
+                headers.append(rest[:_HEADER])
         if self.mode == "async":  # the parameters' clock: the oldest any server's partition holds
             self.versions_used.append((self.steps, min(int(h[0].item()) for h in headers)))
         return headers
@@ -192,13 +192,15 @@ class ParameterServer:
 
     def _serve_sync(self) -> None:
         n = self.numels[self.mesh.rank]
+        # One row per worker, reused every round: the mean below is a new tensor, so the rows are
+        # free again once it is taken (the .grad views point into the mean, not into the inbox).
+        inbox = torch.empty(self.n_workers, n + 2, dtype=self.dtype, device=self.mesh.device)
         while True:
-            inbox = [torch.empty(n + 2, dtype=self.dtype, device=self.mesh.device) for _ in self.worker_ranks]
-            works = [self.mesh.comm.recv(buf, w, self.world, async_op=True, tag="ps_push")
-                     for w, buf in zip(self.worker_ranks, inbox)]
+            works = [self.mesh.comm.recv(inbox[j], w, self.world, async_op=True, tag="ps_push")
+                     for j, w in enumerate(self.worker_ranks)]
             for work in works:
                 work.wait()
-            done = [buf[-1].item() == _DONE for buf in inbox]
+            done = (inbox[:, -1] == _DONE).tolist()
             if all(done):
                 return
             if any(done):  # some finished, some pushed: tell the pushers, then fail here too
@@ -207,7 +209,7 @@ class ParameterServer:
                         self.mesh.comm.send(self._reply(0.0, 0.0, 0.0, _FAILED), w, self.world, tag="ps_pull")
                 raise RuntimeError("sync parameter server: some workers finished while others pushed a gradient; "
                                    "every worker must take the same number of steps")
-            mean = torch.stack(inbox).mean(dim=0)
+            mean = inbox.mean(dim=0)
             norm = self._set_grads(mean[:n])
             self._step()
             reply = self._reply(mean[n].item(), float(self.steps), norm)
@@ -250,23 +252,20 @@ class ParameterServer:
                 s.wait()
 
     def _set_grads(self, flat_grad: torch.Tensor) -> float:
-        """Unflatten this server's gradient into .grad; clip (sync) to the global norm; return the norm."""
+        """Point .grad at this server's slices of ``flat_grad`` (a fresh tensor the server owns: views,
+        no copies); clip (sync) to the global norm; return the norm."""
         owned = [self.params[i] for i in self.shard]
-        offset = 0
-        for p in owned:
-            p.grad = flat_grad[offset:offset + p.numel()].view_as(p).clone()
-            offset += p.numel()
+        grads, _ = _unflatten(flat_grad, owned)
+        for p, g in zip(owned, grads):
+            p.grad = g
         if self.max_norm is None or self.mode == "async":
             return 0.0
         # |g|^2 = sum over servers of |g_s|^2: one all-reduce of a scalar among the servers.
-        sq = flat_grad.double().pow(2).sum().reshape(1).to(torch.float64)
+        sq = flat_grad.double().pow(2).sum().reshape(1)
         self.mesh.comm.all_reduce(sq, self.group, tag="ps_grad_norm")
-        norm = sq.sqrt().item()
-        coef = min(1.0, self.max_norm / (norm + 1e-6))  # torch.nn.utils.clip_grad_norm_'s rule
-        if coef < 1.0:
-            for p in owned:
-                p.grad.mul_(coef)
-        return norm
+        norm = sq[0].sqrt()
+        scale_by_norm_(grads, norm, self.max_norm)
+        return norm.item()  # for the reply's header
 
     def _step(self) -> None:
         if self.optimizer is not None:
@@ -277,9 +276,21 @@ class ParameterServer:
     def _reply(self, a: float, b: float, c: float, status: float = _OK) -> torch.Tensor:
         """This server's partition, flat, then the header (a, b, c) and the status."""
         with torch.no_grad():
-            values = [self.params[i].detach().reshape(-1) for i in self.partitions[self.mesh.rank]]
+            values = [self.params[i].detach() for i in self.partitions[self.mesh.rank]]
             header = torch.tensor([a, b, c, status], dtype=self.dtype, device=self.mesh.device)
-            return torch.cat(values + [header])
+            return _flatten(values + [header])
+
+
+def _flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The tensors laid end to end: one new 1-D tensor (a message)."""
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def _unflatten(flat: torch.Tensor, like: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """``_flatten``'s inverse on a message: views of ``flat``'s start shaped as ``like``, and the rest."""
+    sizes = [t.numel() for t in like]
+    *pieces, rest = flat.split(sizes + [flat.numel() - sum(sizes)])
+    return [v.view_as(t) for v, t in zip(pieces, like)], rest
 
 
 def partition_by_size(numels: list[int], parts: int) -> list[list[int]]:
