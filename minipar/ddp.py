@@ -34,11 +34,12 @@ of their own, all-reduced over the ``edp`` group (the ranks holding the same
 experts) but divided by the whole dp size: an expert's local gradient already
 sums what every rank of its expert-parallel group sent it.
 
-``grad_sync_owner``: an optimizer that communicates itself (`minipar.onebit.OneBitAdam`, which
-averages the compressed momentum instead of the gradient) sets it to itself; from then on backward
-keeps every gradient local (no bucket launched, ``.grad`` is this rank's own) and ``sync_grads``
-does nothing. ``build_optimizer`` passes ``strategy=self`` to an optimizer class with
-``binds_strategy``.
+``grad_sync_off``: an optimizer that communicates itself (`minipar.onebit.OneBitAdam`, which
+averages the compressed momentum instead of the gradient) sets it to True; from then on backward
+keeps every gradient local (no bucket launched; ``.grad`` is this rank's own, moved into its bucket
+view as under ``no_sync``: the gradients stay in the buffers ``memory_stats`` counts, not in a second
+copy) and ``sync_grads`` does nothing. Such an optimizer class says so with ``binds_strategy = True``, and ``build_optimizer``
+then passes it ``strategy=self``, the one way it can reach the strategy whose sync it turns off.
 """
 
 from __future__ import annotations
@@ -132,7 +133,7 @@ class DataParallel(BucketHooks, Strategy):
         self._pending = False          # a no_sync backward left gradients that are not reduced yet
         n = sum(len(b.params) for b in self.buckets)
         self._used = [0] * n           # per parameter slot: got a gradient since the last sync
-        self.grad_sync_owner: object | None = None  # set by an optimizer that takes over the sync (1-bit Adam)
+        self.grad_sync_off = False  # set by an optimizer that communicates itself (1-bit Adam, after its warm-up)
         self._hook_buckets(self.comm, window=None)  # persistent buffers: nothing to bound
 
     # -- setup -------------------------------------------------------------
@@ -151,8 +152,9 @@ class DataParallel(BucketHooks, Strategy):
     # -- backward ----------------------------------------------------------
 
     def _keeps_local(self, bucket: Bucket, i: int) -> bool:
-        if self.grad_sync_owner is not None:
-            return True  # the optimizer communicates (the momentum): this rank's gradient stays its own
+        if self.grad_sync_off:  # the optimizer communicates (the momentum): this rank's gradient stays its own,
+            absorb(bucket.params[i], bucket.views[i])  # in the persistent buffer, as under no_sync
+            return True
         self._used[bucket.first_slot + i] = 1
         if self._sync:
             return False  # take() moves it into the bucket

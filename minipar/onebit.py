@@ -10,15 +10,16 @@ with error feedback. Used as::
     opt = model.build_optimizer(minipar.OneBitAdam, lr=3e-3, freeze_step=K)
 
 Steps 1..K (warm-up) are torch's AdamW, on gradients DDP all-reduced in fp32. At the end of step K
-the optimizer tells DDP it owns gradient synchronisation (``strategy.grad_sync_owner``): from the
-next backward on, gradients stay local. Each later step::
+the optimizer freezes the variance and turns DDP's gradient synchronisation off
+(``strategy.grad_sync_off``): from the next backward on, gradients stay local. Each later step::
 
     m_local <- b1 m + (1 - b1) g_local                        (every rank its own gradient)
     m       <- compressed_allreduce(m_local)                  (~1/32 of the fp32 bytes)
     p       <- p (1 - lr wd) - lr (m / (1 - b1^t)) / (sqrt(v_K / (1 - b2^K)) + eps)
 
 ``v_K`` is the variance frozen at the end of the warm-up, with the bias correction of that step, so
-the switch does not change the step size; the decay is AdamW's (decoupled).
+the switch does not change the step size; the decay is AdamW's (decoupled). The denominator is then a
+constant, computed once at the freeze (``state["denom"]``, which replaces ``exp_avg_sq``).
 
 Gradient clipping after the warm-up (``model.clip_grad_norm_``) clips each rank's *local* gradient
 by its *local* norm, before it enters the momentum; the norm returned is that local one and differs
@@ -52,11 +53,12 @@ one scale per chunk left 1-bit Adam's final loss 5% behind AdamW's; per 2048 ele
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Iterable
 
 import torch
 
 from .comm import AxisGroup, Comm
+from .ddp import DataParallel
 
 _SCALE_BYTES = 4  # one fp32 scale after each block's signs
 SCALE_BLOCK = 2048  # elements sharing one scale: 4 bytes per 256 bytes of signs (wire ratio ~1/31.5)
@@ -73,16 +75,17 @@ class OneBitAdam(torch.optim.AdamW):
     binds_strategy = True  # DataParallel.build_optimizer passes strategy=itself
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 1e-2, *, freeze_step: int, strategy: Any = None) -> None:
-        if strategy is None or not hasattr(strategy, "grad_sync_owner"):
+                 eps: float = 1e-8, weight_decay: float = 1e-2, *, freeze_step: int,
+                 strategy: DataParallel | None = None) -> None:
+        if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1:
+            raise ValueError(f"freeze_step={freeze_step!r} must be an int >= 1: the variance is frozen after that "
+                             "many full AdamW steps (the paper warms up for ~15-25% of training)")
+        if not isinstance(strategy, DataParallel):
             raise ValueError("OneBitAdam communicates the momentum itself and needs the DDP strategy: build it "
                              "with model.build_optimizer(minipar.OneBitAdam, lr=..., freeze_step=...) on a "
                              "ShardedModule(..., strategy='ddp'). ZeRO (zero1/zero2/zero3) is refused, as in "
                              "DeepSpeed: the compressed exchange needs the whole momentum, which ZeRO shards; "
                              "use strategy='ddp' or torch.optim.AdamW")
-        if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1:
-            raise ValueError(f"freeze_step={freeze_step!r} must be an int >= 1: the variance is frozen after that "
-                             "many full AdamW steps (the paper warms up for ~15-25% of training)")
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         odd = {p.dtype for g in self.param_groups for p in g["params"] if p.dtype != torch.float32}
         if odd:
@@ -90,9 +93,11 @@ class OneBitAdam(torch.optim.AdamW):
         self.freeze_step = freeze_step
         self.strategy = strategy
         self.steps_taken = 0
-        self.momentum: torch.Tensor | None = None  # after warm-up: every exp_avg is a view of this
+        # built by _freeze at the end of step freeze_step:
+        self.momentum: torch.Tensor | None = None  # every exp_avg is a view of this flat buffer
         self.worker_error: torch.Tensor | None = None
         self.server_error: torch.Tensor | None = None
+        self.real_mask: torch.Tensor | None = None  # which elements of the padded exchange are data (`real_mask`)
 
     @property
     def frozen(self) -> bool:
@@ -109,54 +114,60 @@ class OneBitAdam(torch.optim.AdamW):
             super().step()
         self.steps_taken += 1
         if self.steps_taken == self.freeze_step:
-            self.strategy.grad_sync_owner = self  # from the next backward on, DDP keeps gradients local
+            self._freeze()
+            self.strategy.grad_sync_off = True  # from the next backward on, DDP keeps gradients local
 
     def _params(self) -> list[torch.nn.Parameter]:
         return [p for g in self.param_groups for p in g["params"]]
 
+    def _stepped(self, group: dict) -> list[torch.nn.Parameter]:
+        """The group's parameters that have Adam state. One no rank ever gave a gradient during the
+        warm-up has none (no v to divide by) and keeps its value."""
+        return [p for p in group["params"] if self.state[p]]
+
     def _freeze(self) -> None:
-        """Gather every exp_avg into one flat buffer (they become views of it) and size the error buffers."""
+        """End of the warm-up: gather every exp_avg into one flat buffer (they become views of it),
+        replace exp_avg_sq by the constant denominator sqrt(v_K / (1 - b2^K)) + eps, and size the
+        error buffers and the padding mask of the exchange."""
         params = self._params()
         n = self.strategy.group.size
         self.momentum = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32, device=params[0].device)
-        for p, view in zip(params, self.momentum.split([p.numel() for p in params])):
-            state = self.state[p]
-            if not state:  # no rank ever gave it a gradient: it keeps its value (no v to divide by)
-                continue
-            view.copy_(state["exp_avg"].reshape(-1))
-            state["exp_avg"] = view.view_as(p)
-            state["frozen_step"] = float(state["step"])
+        views = dict(zip(params, self.momentum.split([p.numel() for p in params])))
+        for group in self.param_groups:
+            beta2, eps = group["betas"][1], group["eps"]
+            for p in self._stepped(group):
+                state = self.state[p]
+                views[p].copy_(state["exp_avg"].reshape(-1))
+                state["exp_avg"] = views[p].view_as(p)
+                bias2 = 1 - beta2 ** float(state["step"])  # of step K, this parameter's last AdamW step
+                state["denom"] = (state.pop("exp_avg_sq").sqrt() / bias2 ** 0.5).add_(eps)  # as AdamW's
         chunk = chunk_size(self.momentum.numel(), n)
         self.worker_error = torch.zeros(n * chunk, dtype=torch.float32, device=self.momentum.device)
         self.server_error = torch.zeros(chunk, dtype=torch.float32, device=self.momentum.device)
+        self.real_mask = real_mask(self.momentum.numel(), n, SCALE_BLOCK, self.momentum.device)
 
     def _compressed_step(self) -> None:
-        if self.momentum is None:
-            self._freeze()
-        for group in self.param_groups:
-            beta1 = group["betas"][0]
-            for p in group["params"]:
-                state = self.state[p]
-                if not state:
-                    continue
-                m = state["exp_avg"]
-                m.mul_(beta1)
-                if p.grad is not None:
-                    m.add_(p.grad, alpha=1 - beta1)  # this rank's gradient only
+        for group in self.param_groups:  # m <- b1 m + (1 - b1) g_local: this rank's gradient only
+            beta1, stepped = group["betas"][0], self._stepped(group)
+            if not stepped:
+                continue
+            torch._foreach_mul_([self.state[p]["exp_avg"] for p in stepped], beta1)
+            with_grad = [p for p in stepped if p.grad is not None]
+            if with_grad:
+                torch._foreach_add_([self.state[p]["exp_avg"] for p in with_grad], [p.grad for p in with_grad],
+                                    alpha=1 - beta1)
         compressed_allreduce(self.momentum, self.worker_error, self.server_error,
-                             self.strategy.comm, self.strategy.group)
-        for group in self.param_groups:
-            lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-            for p in group["params"]:
-                state = self.state[p]
-                if not state:
-                    continue
-                state["step"] += 1
-                bias1 = 1 - beta1 ** float(state["step"])
-                bias2 = 1 - beta2 ** state["frozen_step"]
-                denom = (state["exp_avg_sq"].sqrt() / bias2 ** 0.5).add_(eps)
-                p.mul_(1 - lr * wd)
-                p.addcdiv_(state["exp_avg"], denom, value=-lr / bias1)
+                             self.strategy.comm, self.strategy.group, mask=self.real_mask)
+        for group in self.param_groups:  # p <- p (1 - lr wd) - lr / (1 - b1^t) m / denom
+            lr, beta1, wd = group["lr"], group["betas"][0], group["weight_decay"]
+            stepped = self._stepped(group)
+            if not stepped:
+                continue
+            states = [self.state[p] for p in stepped]
+            torch._foreach_add_([s["step"] for s in states], 1)
+            torch._foreach_mul_(stepped, 1 - lr * wd)
+            torch._foreach_addcdiv_(stepped, [s["exp_avg"] for s in states], [s["denom"] for s in states],
+                                    [-lr / (1 - beta1 ** float(s["step"])) for s in states])
 
 
 # -- the compressed all-reduce ------------------------------------------------------------
@@ -195,14 +206,24 @@ def decompress(rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (unpack_signs(rows[:, :-_SCALE_BYTES]) * scale).masked_fill_(~mask, 0.0)
 
 
+def real_mask(numel: int, world: int, block: int = SCALE_BLOCK, device: torch.device | str = "cpu") -> torch.Tensor:
+    """(world c / block, block) bool, c = ``chunk_size(numel, world, block)``: True on the ``numel`` real
+    elements of the padded exchange, False on the padding. Rows are scale blocks; rank j's chunk is
+    rows j c/block:(j+1) c/block."""
+    chunk = chunk_size(numel, world, block)
+    return (torch.arange(world * chunk, device=device) < numel).view(world * chunk // block, block)
+
+
 def compressed_allreduce(tensor: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor,
-                         comm: Comm, group: AxisGroup, block: int = SCALE_BLOCK) -> None:
+                         comm: Comm, group: AxisGroup, block: int = SCALE_BLOCK,
+                         mask: torch.Tensor | None = None) -> None:
     """In place: tensor <- the 1-bit compressed mean over the group (module docstring, steps 1-4).
 
     tensor: fp32, L elements; worker_error: (n c,) fp32; server_error: (c,) fp32, with
     c = ``chunk_size(L, n, block)``; both updated in place (start them at zero). ``block`` (a multiple
-    of 8): elements per scale. Two collectives, both counted: an all-to-all and an all-gather of
-    n c / block rows of block/8 + 4 bytes."""
+    of 8): elements per scale. ``mask``: ``real_mask(L, n, block)``, built here when not given (a
+    caller exchanging the same size every step builds it once). Two collectives, both counted: an
+    all-to-all and an all-gather of n c / block rows of block/8 + 4 bytes."""
     n, r, numel = group.size, group.rank, tensor.numel()
     if block % 8:
         raise ValueError(f"block={block} must be a multiple of 8 (whole bytes of signs)")
@@ -211,26 +232,27 @@ def compressed_allreduce(tensor: torch.Tensor, worker_error: torch.Tensor, serve
         raise ValueError(f"compressed_allreduce: error buffers must be ({n * chunk},) and ({chunk},) for {numel} "
                          f"elements over {n} ranks; got {tuple(worker_error.shape)} and {tuple(server_error.shape)}")
     per = chunk // block  # blocks per chunk; rows below are blocks, rank j's chunk is rows j*per:(j+1)*per
-    mask = (torch.arange(n * chunk, device=tensor.device) < numel).view(n * per, block)  # real, not padding
+    if mask is None:
+        mask = real_mask(numel, n, block, tensor.device)
+    elif mask.shape != (n * per, block):
+        raise ValueError(f"compressed_allreduce: mask must be real_mask({numel}, {n}, {block}), of shape "
+                         f"{(n * per, block)}; got {tuple(mask.shape)}")
     real = mask.sum(1)
     own = slice(r * per, (r + 1) * per)
 
-    # 1. worker: compress tensor + its error, keep what compression dropped
-    x = worker_error.clone()
-    x[:numel] += tensor.reshape(-1)
-    x = x.view(n * per, block)
+    # 1. worker: compress tensor + its error, keep what compression dropped (in place: the error
+    #    buffer holds x, then x - C(x); its padding stays zero, as C(x) is zero there too)
+    worker_error[:numel] += tensor.reshape(-1)
+    x = worker_error.view(n * per, block)
     sent = compress(x, real)
-    worker_error.copy_((x - decompress(sent, mask)).view(-1))
+    x.sub_(decompress(sent, mask))
 
     # 2. all-to-all: chunk j goes to rank j; received chunk i is rank i's compressed version of chunk r
     received = torch.empty_like(sent)
     comm.all_to_all(received, sent, group, tag="onebit")
 
-    # 3. server: average chunk r over ranks (in rank order), add its error, recompress
-    mine = decompress(received, mask[own].repeat(n, 1)).view(n, chunk)
-    y = mine[0].clone()
-    for i in range(1, n):
-        y += mine[i]
+    # 3. server: average chunk r over ranks, add its error, recompress
+    y = decompress(received, mask[own].repeat(n, 1)).view(n, chunk).sum(0)
     y.div_(n).add_(server_error)
     owned = compress(y.view(per, block), real[own])
     server_error.copy_(y - decompress(owned, mask[own]).view(-1))
