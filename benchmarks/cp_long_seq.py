@@ -31,7 +31,7 @@ sends on the cp axis: ring attention's K/V (and dK/dV) sends (op "send", tags "c
 all-to-alls over "cp" (wire bytes: the (C-1)/C of each tensor that leaves the rank). The theory beside
 it, per step, for n_layer layers, local batch B, heads H, head_dim D, fp32:
 
-    ring     n_layer x (ring_bytes(B, H, T, D, C)["forward"] + ["backward"])   (minipar.ring_attention)
+    ring     n_layer x (ring_bytes(B, H, T, D, C)["forward"] + ["backward"])   (minipar.formulas)
     ulysses  n_layer x 8 all-to-alls (q, k, v, out forward; their gradients backward) x (C-1)/C x B·H·(T/C)·D·4
 
 Everything else counted (the gradient all-reduce over dp x cp, the same in every layout, the loss and
@@ -67,10 +67,10 @@ import torch.distributed as dist
 import minipar
 from minipar import ShardedModule
 from minipar.context_parallel import attention_modules
+from minipar.formulas import ring_bytes
 from minipar.models import GPT, GPTConfig, gpt_loss
 from minipar.models.data import markov_batch
 from minipar.recompute import ActivationMemory
-from minipar.ring_attention import ring_bytes
 
 GOALS = {2: 0.55, 4: 0.30}  # attention activation memory per rank at cp = C over cp = 1
 TIME_GOAL = 1.00            # minipar's ring step time over torch context_parallel's

@@ -32,7 +32,7 @@ block's P is that block's slice of the full softmax row)::
     dQ = scale · dS K,  dK = scale · dSᵀ Q.
 
 Scores, softmax and accumulators are fp32 whatever the input dtype; K/V and dK/dV travel in the input
-dtype (that is what `ring_bytes` counts). Plain PyTorch: matmul, exp, logsumexp.
+dtype (that is what `minipar.formulas.ring_bytes` counts). Plain PyTorch: matmul, exp, logsumexp.
 """
 
 from __future__ import annotations
@@ -44,7 +44,6 @@ import torch.nn.functional as F
 
 from .comm import AxisGroup, Comm
 from .regions import heads_to_seq, seq_to_heads
-from .formulas import ring_bytes  # noqa: F401  (the bytes each rank sends per layer; defined with the other formulas)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm, group: AxisGroup,

@@ -21,8 +21,8 @@ import sys
 
 import torch
 
+from minipar.formulas import ring_bytes
 from minipar.models import GPT, GPTConfig
-from minipar.ring_attention import ring_bytes
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = dict(n_layer=1, n_embd=16, n_head=2, vocab=64, seq=16)

@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from minipar.ring_attention import ring_bytes
+from minipar.formulas import ring_bytes
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

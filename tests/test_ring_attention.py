@@ -24,9 +24,10 @@ from torch.testing import assert_close
 
 import minipar.ring_attention as ra
 from minipar.comm import AxisGroup, Comm
+from minipar.formulas import ring_bytes
 from minipar.mesh import Mesh
-from minipar.ring_attention import (block_attention, contiguous_positions, ring_attention, ring_bytes,
-                                    score_elements, ulysses_attention, zigzag_positions)
+from minipar.ring_attention import (block_attention, contiguous_positions, ring_attention, score_elements,
+                                    ulysses_attention, zigzag_positions)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TIMEOUT = 180  # seconds per multi-rank call: the machine is shared and sometimes heavily loaded
