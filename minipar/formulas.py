@@ -41,6 +41,7 @@ from .comm import wire_bytes  # the collective layer's own table: one copy of th
 from .ddp import bucket_params
 from .flat import FlatLayout
 from .placement import placement_of
+from .strategy import DataParallelConfig
 from .units import assign_params, select_units
 
 ADAMW_STATE = 8   # bytes per element: exp_avg and exp_avg_sq in fp32
@@ -54,6 +55,11 @@ def dtype_bytes(dtype: torch.dtype | int | str) -> int:
     if isinstance(dtype, str):
         return {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}[dtype]
     return torch.empty((), dtype=dtype).element_size()
+
+
+def _canonical(strategy: str) -> str:
+    """``strategy`` with "fsdp" read as "zero3" (`minipar.strategy` defines the alias, and rejects unknown names)."""
+    return "zero3" if DataParallelConfig(strategy).zero3 else strategy
 
 
 # -- what is sharded ----------------------------------------------------------------------------
@@ -75,7 +81,8 @@ class ParamSet:
 
     @classmethod
     def of(cls, module: nn.Module, wrap_policy=None) -> "ParamSet":
-        """The parameters of ``module`` (after tensor/expert parallelism cut them), units as ZeRO-3 cuts them."""
+        """The parameters of ``module`` (after tensor/expert parallelism cut them), units as ZeRO-3 cuts
+        them under ``wrap_policy`` (`minipar.units.select_units`; None: each nn.ModuleList entry)."""
         params = [p for _, p in module.named_parameters() if p.requires_grad]
         index = {id(p): i for i, p in enumerate(params)}
         units = [[index[id(p)] for p in ps] for ps in assign_params(module, select_units(module, wrap_policy))]
@@ -107,7 +114,8 @@ class DataParallel:
     dp: the ranks gradients are averaged over (dp x cp: cp names the axis "dp_cp" when > 1); shard:
     the dense shard axis (dp_shard x cp under HSDP, else dp); edp: the experts' shard axis; param/grad: compute and reduce dtype bytes
     (4/4: fp32; 2/2: bf16 with fp32 masters); rank / edp_rank: this rank's index on the shard axes
-    (the real part of a padded group's last shard is shorter)."""
+    (the real part of a padded group's last shard is shorter). ``strategy`` "fsdp", zero3's other
+    name, is stored as "zero3"."""
 
     strategy: str
     dp: int
@@ -115,12 +123,14 @@ class DataParallel:
     edp: int = 1
     param: int = 4
     grad: int | None = None
-    offload: bool = False
     bucket_cap_mb: float = 25.0
     reshard_after_forward: bool = True
     rank: int = 0
     edp_rank: int = 0
     cp: int = 1
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "strategy", _canonical(self.strategy))  # frozen: set once, here
 
     @property
     def grad_axis(self) -> str:
@@ -162,7 +172,7 @@ def flat_groups(ps: ParamSet, dp: DataParallel) -> list[Group]:
         axis, n, rank = axes[expert]
         return Group(FlatLayout([], sum(ps.tensors[i].numel() for i in indices), n, rank), axis)
 
-    if dp.strategy in ("zero3", "fsdp"):
+    if dp.strategy == "zero3":
         return [group([i for i in unit if ps.expert[i] == e], e)
                 for unit in ps.units for e in dict.fromkeys(ps.expert[i] for i in unit)]
     cap = max(1, int(dp.bucket_cap_mb * 2**20))
@@ -183,8 +193,8 @@ def state_bytes(ps: ParamSet, dp: DataParallel, optimizer: str = "adamw") -> dic
         n = ps.numel
         return {"params": n * dp.param, "grads": n * dp.param,
                 "optimizer": (ADAMW_STATE * n + STEP_BYTES * len(ps.tensors)) if adam else 0}
-    zero3 = dp.strategy in ("zero3", "fsdp")
-    separate_master = dp.param != 4 or dp.offload  # else the fp32 shard itself is the master
+    zero3 = dp.strategy == "zero3"
+    separate_master = dp.param != 4  # else the fp32 shard itself is the master
     params = grads = opt = 0
     for g in flat_groups(ps, dp):
         lay = g.layout
@@ -195,13 +205,12 @@ def state_bytes(ps: ParamSet, dp: DataParallel, optimizer: str = "adamw") -> dic
     return {"params": params, "grads": grads, "optimizer": opt}
 
 
-def shard_formula(strategy: str, phi: float, n: int, param: int = 4, grad: int | None = None) -> dict[str, float]:
+def shard_formula(strategy: str, phi: float, n: int, param: int = 4) -> dict[str, float]:
     """The ZeRO paper's closed form per rank, without padding or step counters (AdamW): params,
-    grads, optimizer bytes for Φ parameters over N ranks."""
-    g = grad or param
+    grads, optimizer bytes for Φ parameters over N ranks (gradients reduced in the compute dtype)."""
     master_and_moments = ADAMW_STATE + (4 if param != 4 else 0)
-    shard = {"ddp": (1, 1, 1), "zero1": (1, 1, n), "zero2": (1, n, n), "zero3": (n, n, n), "fsdp": (n, n, n)}[strategy]
-    return {"params": param * phi / shard[0], "grads": g * phi / shard[1],
+    shard = {"ddp": (1, 1, 1), "zero1": (1, 1, n), "zero2": (1, n, n), "zero3": (n, n, n)}[_canonical(strategy)]
+    return {"params": param * phi / shard[0], "grads": param * phi / shard[1],
             "optimizer": master_and_moments * phi / shard[2]}
 
 
@@ -238,7 +247,7 @@ def dp_calls(ps: ParamSet, dp: DataParallel, backwards: int = 1, pipeline: bool 
         for g in groups:
             out += call("all_reduce", g.axis, sizes[g.axis], "grad", g.layout.numel * dp.param)
         return out
-    zero3 = dp.strategy in ("zero3", "fsdp")
+    zero3 = dp.strategy == "zero3"
     reductions = 1 if dp.strategy == "zero1" or pipeline else backwards
     for g in groups:
         n = sizes[g.axis]
@@ -296,25 +305,20 @@ def pp_calls(stage: int, stages: int, microbatches: int, act_bytes: int) -> list
     return out
 
 
-def ring_bytes(batch: int, heads: int, seq_len: int, head_dim: int, cp: int, dtype) -> dict:
-    """Bytes each rank sends per ring-attention layer: {"forward": ..., "backward": ...}.
-
-    One block (K or V, or dK or dV) is B·H·(T/C)·D elements. The forward sends K and V on each of C-1
-    hops; the backward sends them again on C-1 hops and the dK/dV accumulators on C (the last hop
-    returns each to its owner). With C = 1 nothing is sent.
-    """
-    if cp == 1:
-        return {"forward": 0, "backward": 0}
-    block = batch * heads * (seq_len // cp) * head_dim * dtype_bytes(dtype)
-    return {"forward": (cp - 1) * 2 * block, "backward": (cp - 1) * 2 * block + cp * 2 * block}
-
-
 def ring_calls(layers: int, batch: int, heads: int, seq_len: int, head_dim: int, cp: int, dtype) -> list[Call]:
-    """`ring_bytes` as the calls: per layer, K and V stacked in one message per hop ("cp_kv"), C - 1
-    hops forward and C - 1 backward, then the dK/dV accumulators on C hops ("cp_kv_grad")."""
+    """Ring attention's sends: per layer, K and V stacked in one message per hop ("cp_kv"), C - 1
+    hops forward and C - 1 backward, then the dK/dV accumulators on C hops ("cp_kv_grad"; the last
+    hop returns each to its owner). One block (K or V, dK or dV) is B·H·(T/C)·D elements."""
     kv = 2 * batch * heads * (seq_len // cp) * head_dim * dtype_bytes(dtype)
     hops = call("send", "cp", cp, "cp_kv", kv) * (2 * (cp - 1)) + call("send", "cp", cp, "cp_kv_grad", kv) * cp
     return hops * layers
+
+
+def ring_bytes(batch: int, heads: int, seq_len: int, head_dim: int, cp: int, dtype) -> dict:
+    """Bytes each rank sends per ring-attention layer, {"forward": ..., "backward": ...}: `ring_calls`
+    of one layer, split at the end of the forward (its first C - 1 hops). With C = 1 nothing is sent."""
+    sends = [c.bytes for c in ring_calls(1, batch, heads, seq_len, head_dim, cp, dtype)]
+    return {"forward": sum(sends[:cp - 1]), "backward": sum(sends[cp - 1:])}
 
 
 def ulysses_calls(layers: int, batch: int, heads: int, seq_len: int, head_dim: int, cp: int, dtype) -> list[Call]:
@@ -382,5 +386,6 @@ def training_flops(params_active: float, tokens: int, layers: int, seq: int, hid
 
 def bubble_fraction(stages: int, microbatches: int, chunks: int = 1) -> float:
     """1F1B's and GPipe's idle share of a step, (p - 1) / (m + p - 1); interleaved with v chunks per
-    rank, (p - 1) / (v·m + p - 1) (Narayanan et al. 2021; `minipar.pipeline.simulate` proves both)."""
+    rank, (p - 1) / (v·m + p - 1) (Narayanan et al. 2021; tests/test_pipeline_schedule.py checks both
+    against `minipar.pipeline.simulate`)."""
     return (stages - 1) / (chunks * microbatches + stages - 1)
