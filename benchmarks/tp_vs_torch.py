@@ -95,6 +95,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInpu
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import minipar
+from minipar.comm import wire_bytes
 from minipar.models import GPT, GPTConfig
 from minipar.placement import placement_of
 from minipar.tensor_parallel import parallelize, vocab_parallel_cross_entropy
@@ -384,10 +385,6 @@ def summarize(records) -> dict[tuple[str, str], dict[str, int]]:
     return out
 
 
-def wire(op: str, payload: int, n: int) -> int:
-    return round(2 * (n - 1) / n * payload) if op == "all_reduce" else round((n - 1) / n * payload)
-
-
 def comm_table(measured, expected, n: int) -> tuple[list[dict], bool]:
     """Rows (phase, segment, op, tag, calls/bytes/wire measured and expected, match); all-match flag."""
     rows, all_ok = [], True
@@ -397,7 +394,7 @@ def comm_table(measured, expected, n: int) -> tuple[list[dict], bool]:
         segs += [s for s in measured[phase] if s not in segs]
         for seg in segs:
             m = summarize([(r.op, r.tag, r.bytes, r.wire_bytes) for r in measured[phase].get(seg, [])])
-            e = summarize([(op, tag, b, wire(op, b, n)) for op, tag, b in expected[phase].get(seg, [])])
+            e = summarize([(op, tag, b, wire_bytes(op, n, b)) for op, tag, b in expected[phase].get(seg, [])])
             for key in sorted(set(m) | set(e)):
                 mr = m.get(key, {"calls": 0, "bytes": 0, "wire_bytes": 0, "sizes": []})
                 er = e.get(key, {"calls": 0, "bytes": 0, "wire_bytes": 0, "sizes": []})
