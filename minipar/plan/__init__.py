@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 
 from minipar import formulas as F
+from minipar.comm import wire_bytes
 
 from .presets import H100, MODELS, Cluster, ModelShape
 
@@ -83,11 +84,11 @@ def _dp(model: ModelShape, cluster: Cluster, lay: Layout) -> F.DataParallel:
 
 
 @lru_cache(maxsize=4096)
-def _stage_state(model: ModelShape, cluster: Cluster, lay: Layout, stage: int, m: int):
-    """(state bytes, dp calls summary, largest unit numel) of one stage's rank: independent of the
-    micro-batch size and recomputation, so cached across them."""
+def _stage_state(model: ModelShape, lay: Layout, dp: F.DataParallel, stage: int, m: int):
+    """(state bytes, dp calls summary, largest unit numel) of one stage's rank, for m micro-batches per
+    step: independent of recomputation, so cached across it (and across micro-batch sizes giving the
+    same m: the caller passes ``lay`` with micro_batch=1, recompute=False)."""
     ps = model.stage_params(lay.tp, lay.ep, lay.pp, stage)
-    dp = _dp(model, cluster, lay)
     calls = F.dp_calls(ps, dp, backwards=m, pipeline=lay.pp > 1)
     unit = max(sum(ps.tensors[i].numel() for i in u) for u in ps.units)
     return F.state_bytes(ps, dp), F.summarize(calls), unit
@@ -95,18 +96,22 @@ def _stage_state(model: ModelShape, cluster: Cluster, lay: Layout, stage: int, m
 
 def _link(axis: str, lay: Layout, cluster: Cluster) -> str:
     """"intra" when every group of ``axis`` lies inside one node (mesh order: pp, dp, cp, tp fastest)."""
+    if axis == "dp_shard":
+        return "intra"  # hsdp shards within a node (`_dp`)
     span = {"tp": lay.tp, "cp": lay.tp * lay.cp, "ep": lay.tp * lay.cp * lay.ep,
             "pp": lay.tp * lay.cp * lay.dp * lay.pp}.get(axis, lay.tp * lay.cp * lay.dp)
-    if axis == "dp_shard":
-        span = lay.tp * cluster.gpus_per_node // max(1, lay.tp)  # hsdp shards within a node
     return "intra" if span <= cluster.gpus_per_node else "inter"
 
 
 def evaluate(model: ModelShape, cluster: Cluster, global_batch: int, lay: Layout) -> dict:
     """Every prediction for one layout: memory per rank, traffic per axis and link, times. ``feasible``
     False with ``why`` when it cannot run or does not fit."""
+    return _predict(model, cluster, global_batch, lay, _refusal(model, cluster, global_batch, lay))
+
+
+def _predict(model: ModelShape, cluster: Cluster, global_batch: int, lay: Layout, why: str) -> dict:
+    """`evaluate` once ``why`` (`_refusal`'s answer) is known."""
     gpus = lay.tp * lay.pp * lay.dp * lay.cp
-    why = _refusal(model, cluster, global_batch, lay, gpus)
     m = max(1, global_batch // (lay.dp * lay.micro_batch)) if not why else 1
     act_b = 2  # bf16 activations (ddp: fp32, 4)
     if lay.strategy == "ddp":
@@ -116,17 +121,18 @@ def evaluate(model: ModelShape, cluster: Cluster, global_batch: int, lay: Layout
     ffn = model.moe_ffn * (model.top_k + model.shared_experts) if model.experts else model.ffn
     per_layer = F.layer_activation_bytes(tokens, model.hidden, kv_hidden, ffn, act_b, lay.tp, True, model.gated)
     boundary = F.checkpointed_layer_bytes(tokens, model.hidden, act_b, lay.tp)  # a block's input, sequence-parallel
+    dp = _dp(model, cluster, lay)
     worst: dict = {}
     for stage in sorted({0, lay.pp - 1, min(1, lay.pp - 1)}):
         # micro-batch size and recomputation change neither the state nor the dp traffic (m carries the count)
-        state, dp_traffic, unit = _stage_state(model, cluster, replace(lay, micro_batch=1, recompute=False), stage, m)
+        state, dp_traffic, unit = _stage_state(model, replace(lay, micro_batch=1, recompute=False), dp, stage, m)
         layers = model.stage_layers(lay.pp, stage)
         in_flight = min(lay.pp - stage, m)  # 1F1B: stage s holds p - s micro-batches at its peak
         full = layers * per_layer * in_flight
         recomputed = layers * boundary * in_flight + per_layer  # block inputs, plus one block redone
         logits = tokens * model.vocab // lay.tp * 6 if stage == lay.pp - 1 else 0  # bf16 logits + fp32 grad
         act = (recomputed if lay.recompute else full) + logits
-        buffers = 2 * unit * act_b if _dp(model, cluster, lay).strategy == "zero3" else 2 * 25 * 2**20
+        buffers = 2 * unit * act_b if dp.strategy == "zero3" else 2 * 25 * 2**20
         mem = dict(state, activations=act, activations_full=full + logits, activations_recompute=recomputed + logits,
                    buffers=buffers)
         mem["total"] = state["params"] + state["grads"] + state["optimizer"] + act + buffers
@@ -144,7 +150,7 @@ def evaluate(model: ModelShape, cluster: Cluster, global_batch: int, lay: Layout
     if lay.ep > 1:
         moe = sum(1 for i in range(model.layers) if i >= model.dense_layers) * layers // model.layers
         sent = F.ep_bytes(tokens // lay.tp, model.top_k, model.hidden, act_b, moe) * m
-        traffic["ep"] = {"bytes": sent, "wire": sent * (lay.ep - 1) // lay.ep}
+        traffic["ep"] = {"bytes": sent, "wire": wire_bytes("all_to_all", lay.ep, sent)}
     for axis, row in traffic.items():
         row["link"] = _link(axis, lay, cluster)
     return dict(layout=lay.name, **asdict(lay), gpus=gpus, microbatches=m, feasible=not why, why=why,
@@ -152,7 +158,9 @@ def evaluate(model: ModelShape, cluster: Cluster, global_batch: int, lay: Layout
                 comm=traffic, comm_by_link=_by_link(traffic), worst_stage=worst["stage"])
 
 
-def _refusal(model: ModelShape, cluster: Cluster, global_batch: int, lay: Layout, gpus: int) -> str:
+def _refusal(model: ModelShape, cluster: Cluster, global_batch: int, lay: Layout) -> str:
+    """Why ``lay`` cannot run ("" when it can)."""
+    gpus = lay.tp * lay.pp * lay.dp * lay.cp
     if gpus != cluster.gpus:
         return f"tp·pp·dp·cp = {gpus}, not the cluster's {cluster.gpus} GPUs"
     if model.heads % lay.tp or lay.tp > cluster.gpus_per_node:
@@ -217,7 +225,7 @@ def layouts(model: ModelShape, cluster: Cluster, global_batch: int) -> list[Layo
                         for mbs in (1, 2, 4):
                             for rc in (False, True):
                                 lay = Layout(tp, pp, dp, cp, ep, strategy, mbs, rc)
-                                if not _refusal(model, cluster, global_batch, lay, cluster.gpus):
+                                if not _refusal(model, cluster, global_batch, lay):
                                     out.append(lay)
     return out
 
@@ -228,7 +236,8 @@ def plan(model: ModelShape | str, cluster: Cluster | None = None, global_batch: 
     "global_batch", "rejected": how many did not fit, "closest": the smallest infeasible one when none fits}."""
     model = MODELS[model] if isinstance(model, str) else model
     cluster = cluster or H100
-    results = [evaluate(model, cluster, global_batch, lay) for lay in layouts(model, cluster, global_batch)]
+    # layouts() keeps only those _refusal lets through: predict them without asking it again
+    results = [_predict(model, cluster, global_batch, lay, "") for lay in layouts(model, cluster, global_batch)]
     fits = sorted((r for r in results if r["fits"]), key=lambda r: (r["step_s"], r["memory"]["total"]))
     out = dict(model=asdict(model), cluster=asdict(cluster), global_batch=global_batch,
                layouts=fits[:top] if top else fits, rejected=len(results) - len(fits))
