@@ -78,8 +78,8 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 import minipar
+from minipar.formulas import DataParallel, ParamSet, dp_calls, shard_formula, summarize
 from minipar.models import GPT, GPTConfig, gpt_loss
-from minipar.formulas import shard_formula
 
 RATIO_GOAL, RATIO_LIMIT = 1.00, 1.25
 PAIRS = (("mp_zero1", "torch_zero1"), ("mp_zero3", "torch_fsdp2"))   # the timed comparisons
@@ -366,19 +366,21 @@ def comm_per_step(side: Side) -> dict:
     return {"by_op": per, "wire_bytes_total": total, "wire_bytes_data": data, "steps_counted": side.counted_steps}
 
 
-def zero3_expected(sm: minipar.ShardedModule) -> dict:
-    """Exact wire bytes per step of minipar zero3: units gathered twice, root once, every gradient reduce-scattered."""
+def zero3_expected(sm: minipar.ShardedModule, wrap_policy) -> dict:
+    """Exact wire bytes per step of minipar zero3 (`minipar.formulas.dp_calls`: units gathered twice,
+    root once, every gradient reduce-scattered, padded flat groups), and the unpadded closed form."""
     st = sm.strategy
     n = st.group.size
-    f = (n - 1) / n
     pes = torch.empty((), dtype=st.policy.param_dtype).element_size()
     ges = torch.empty((), dtype=st.policy.grad_dtype).element_size()
-    ag = sum(pt.group.layout.padded * pes * (1 if u.is_root else 2) for u in st.units for pt in u.parts)
-    rs = sum(pt.group.layout.padded * ges for u in st.units for pt in u.parts)
-    phi_units = sum(pt.group.layout.numel for u in st.units if not u.is_root for pt in u.parts)
-    phi_root = sum(pt.group.layout.numel for u in st.units if u.is_root for pt in u.parts)
-    return {"all_gather": f * ag, "reduce_scatter": f * rs, "total": f * (ag + rs),
-            "phi_units": phi_units, "phi_root": phi_root,
+    ps = ParamSet.of(sm.module, wrap_policy)
+    calls = dp_calls(ps, DataParallel("zero3", n, param=pes, grad=ges))
+    wire = {op: summarize([c for c in calls if c.op == op])["dp"]["wire"]
+            for op in ("all_gather", "reduce_scatter")}
+    phi_root = sum(ps.tensors[i].numel() for i in ps.units[-1]) if ps.has_root else 0
+    phi_units = ps.numel - phi_root
+    f = (n - 1) / n
+    return {**wire, "total": summarize(calls)["dp"]["wire"], "phi_units": phi_units, "phi_root": phi_root,
             "unpadded_total": f * (pes * (2 * phi_units + phi_root) + ges * (phi_units + phi_root))}
 
 
@@ -489,7 +491,7 @@ def main(argv=None) -> int:
                 finals[s.key] = {k: v.cpu() for k, v in full.items()}
             del full
             if s.key == "mp_zero3":
-                expected3 = zero3_expected(s.sharded)
+                expected3 = zero3_expected(s.sharded, w.wrap_policy)
             s.times = max_over_ranks(s.times)
             done[s.key] = s
             s.model = s.inner = s.opt = s.sharded = None  # free the model and optimizer; keep the figures
