@@ -364,7 +364,7 @@ def test_communication_volume(pools, world):
     does; zero3 (every unit resharded after forward, nothing left in the root) 1.5x as much."""
     ddp = pools.run(world, _volume, "ddp")[0][0]
     phi_bytes = 216 * 4
-    assert ddp == pytest.approx(formulas.wire_bytes("all_reduce", world, phi_bytes), abs=1)
+    assert ddp == formulas.wire_bytes("all_reduce", world, phi_bytes)
     for strategy, factor in (("zero1", 1.0), ("zero2", 1.0), ("zero3", 1.5)):
         for wire, summary in pools.run(world, _volume, strategy):
             assert wire == pytest.approx(factor * ddp, rel=1e-9), (strategy, summary)
