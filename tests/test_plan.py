@@ -5,7 +5,9 @@ equal `formulas.state_bytes` exactly, and every collective the layer counts (op,
 wire bytes) equals the calls the formulas list, exactly, for DDP, ZeRO-1/2/3 (fp32 and bf16), HSDP,
 tensor parallelism (with and without sequence parallelism), pipeline sends, context parallelism and
 expert parallelism (MoE all-to-alls as a mean over the ranks: what a rank returns depends on routing).
-A block's activations equal `layer_activation_bytes` within 10% of the saved-tensor meter.
+A block's activations equal `layer_activation_bytes` within 2% of the saved-tensor meter (a
+checkpointed block's `checkpointed_layer_bytes` exactly), and the planner's per-rank state equals
+the ZeRO paper's closed form.
 """
 
 from __future__ import annotations
@@ -37,6 +39,13 @@ def _expected(calls) -> Counter:
     return Counter((c.op, c.axis, c.tag, c.bytes, c.wire) for c in calls)
 
 
+def _paramset(out) -> F.ParamSet:
+    """The ParamSet a worker returned as ``out["ps"]`` (numels, expert flags, units, has_root), rebuilt
+    from meta tensors of those sizes."""
+    numels, expert, units, has_root = out["ps"]
+    return F.ParamSet([torch.empty(n, device="meta") for n in numels], expert, units, has_root)
+
+
 def _dp_step(ctx, strategy, precision, sizes, microbatches, cap):
     mesh = Mesh(**sizes)
     model = GPT(GPTConfig(**CFG))
@@ -54,7 +63,7 @@ def _dp_step(ctx, strategy, precision, sizes, microbatches, cap):
         opt.step()
     shard_rank = mesh.group(mesh.shard_axis).rank
     out = dict(memory=sharded.memory_stats(), records=_counted(stats.records, {"grad", "param"}),
-               ps=(ps.tensors and [t.numel() for t in ps.tensors], ps.expert, ps.units, ps.has_root),
+               ps=([t.numel() for t in ps.tensors], ps.expert, ps.units, ps.has_root),
                shard_rank=shard_rank, dp=mesh.dp, shard=mesh.dp_shard)
     mesh.destroy()
     return out
@@ -82,8 +91,7 @@ def test_data_parallel_state_and_traffic_equal_the_formulas(pools, strategy, pre
     (padding to multiples of the shard count, bucket splits, HSDP replicas included)."""
     pb = 2 if precision == "bf16" else 4
     for out in pools.run(world, _dp_step, strategy, precision, sizes, microbatches, cap):
-        numels, expert, units, has_root = out["ps"]
-        ps = F.ParamSet([torch.empty(n, device="meta") for n in numels], expert, units, has_root)
+        ps = _paramset(out)
         dp = F.DataParallel(strategy, out["dp"], out["shard"], param=pb, bucket_cap_mb=cap, rank=out["shard_rank"])
         if strategy != "ddp" and dp.shards > 1:
             assert any(g.layout.padded > g.layout.numel for g in F.flat_groups(ps, dp))  # padding is exercised
@@ -123,15 +131,13 @@ def _blocks(module):
     return [m for n, m in module.named_modules() if type(m).__name__ == "Block"]
 
 
-def _predict(info, strategy, options, batch) -> list:
-    """The calls of one step on this rank, from the formulas alone."""
+def _predict(info, ps: F.ParamSet, dp: F.DataParallel, options, batch) -> list:
+    """The calls of one step on this rank, from the formulas alone (``ps``, ``dp``: its parameters and
+    data-parallel strategy)."""
     c, t, h = TP_CFG["n_embd"], TP_CFG["block_size"], TP_CFG["n_head"]
     local_batch = batch  # each data-parallel rank's rows
     cp, tp, pp = info["cp"], info["tp"], info["pp"]
     m = options.get("microbatches", 1)
-    dp = F.DataParallel(strategy, info["dp"] * cp, bucket_cap_mb=options.get("bucket_cap_mb", 25.0),
-                        rank=info["shard_rank"], cp=cp)
-    ps = _paramset(info)
     calls = F.dp_calls(ps, dp, pipeline=pp > 1)
     if tp > 1:
         sp = options.get("sequence_parallel", False)
@@ -164,15 +170,14 @@ def test_tp_pp_cp_layouts_state_and_traffic_equal_the_formulas(pools, world, siz
     dp_calls + tp_calls + pp_calls + ring_calls / ulysses_calls, exactly."""
     batch = 4
     for out in pools.run(world, _layout_step, sizes, strategy, options, batch):
-        info = out["info"]
-        info["ps"] = out["ps"]
+        info, ps = out["info"], _paramset(out)
         dp = F.DataParallel(strategy, info["dp"] * info["cp"], bucket_cap_mb=options.get("bucket_cap_mb", 25.0),
                             rank=info["shard_rank"], cp=info["cp"])
-        assert out["memory"] == F.state_bytes(_paramset(info), dp)
+        assert out["memory"] == F.state_bytes(ps, dp)
         axis_tags = {"tp": {"tp"}, "pp": {"pp_act", "pp_grad"}, "cp": {"cp_kv", "cp_ulysses"}}
         for axis in sizes:  # the axis's own traffic is there to compare
             assert any(k[2] in axis_tags[axis] for k in out["records"]), out["records"]
-        assert out["records"] == _expected(_predict(info, strategy, options, batch)), (info, out["records"])
+        assert out["records"] == _expected(_predict(info, ps, dp, options, batch)), (info, out["records"])
 
 
 # -- expert parallelism -----------------------------------------------------------------------------
@@ -207,9 +212,8 @@ def test_expert_parallel_state_and_traffic_equal_the_formulas(pools, world, stra
     per_rank = F.ep_bytes(tokens, MOE_CFG["top_k"], MOE_CFG["n_embd"], torch.float32, MOE_CFG["n_layer"])
     assert sum(out["moe"] for out in outs) == world * per_rank, [out["moe"] for out in outs]
     for out in outs:
-        numels, expert, units, has_root = out["ps"]
-        ps = F.ParamSet([torch.empty(n, device="meta") for n in numels], expert, units, has_root)
-        assert any(expert) and not all(expert)
+        ps = _paramset(out)
+        assert any(ps.expert) and not all(ps.expert)
         dp = F.DataParallel(strategy, out["dp"], edp=out["edp"], rank=out["rank"], edp_rank=out["edp_rank"])
         assert out["memory"] == F.state_bytes(ps, dp), (out["memory"], F.state_bytes(ps, dp))
         assert out["records"] == _expected(F.dp_calls(ps, dp)), out["records"]
@@ -240,44 +244,43 @@ def _saved_per_block(cfg: dict, batch: int, seq: int, sizes: dict | None = None,
 
 ACT_CFG = dict(vocab_size=64, n_head=4, n_embd=64, dropout=0.0, seed=5)
 LLAMA = dict(norm="rmsnorm", mlp="swiglu", pos="rope")
+ACT_REL = 0.02  # the meter holds 0.7-1.3% more than the closed form (measured, one process and tp=2):
+# small tensors it leaves out; a missing or extra (tokens, hidden) tensor is 3.8-6% of a block here
 
 
 @pytest.mark.parametrize("style, batch, seq, recompute", [
     ("gpt", 2, 16, False), ("gpt", 4, 64, False), ("llama", 3, 32, False), ("llama", 2, 64, False),
     ("gpt", 2, 32, True), ("llama", 2, 32, True)])
-def test_block_activations_equal_the_formula_within_ten_percent(style, batch, seq, recompute):
-    """One block's saved activations (the meter, one process, fp32) within 10% of
-    `layer_activation_bytes` (GELU or SwiGLU MLP; LayerNorm, or RMSNorm keeping its output), and a checkpointed block's
-    of `checkpointed_layer_bytes` (its input alone)."""
+def test_block_activations_equal_the_formula(style, batch, seq, recompute):
+    """One block's saved activations (the meter, one process, fp32) within 2% of
+    `layer_activation_bytes` (GELU or SwiGLU MLP; LayerNorm, or RMSNorm keeping its output), and a checkpointed
+    block's exactly `checkpointed_layer_bytes` (its input alone)."""
     cfg = dict(ACT_CFG, **(LLAMA if style == "llama" else {}))
     measured = _saved_per_block(cfg, batch, seq, recompute=recompute)
     ffn = GPT(GPTConfig(**dict(cfg, n_layer=1))).layers[0].mlp.fc.weight.shape[0]
     tokens, h = batch * seq, cfg["n_embd"]
     formula = F.checkpointed_layer_bytes(tokens, h, 4) if recompute else \
         F.layer_activation_bytes(tokens, h, h, ffn, 4, gated=style == "llama", norm_keeps_output=style == "llama")
-    assert abs(measured - formula) <= 0.10 * formula, (measured, formula)
+    if recompute:
+        assert measured == formula
+    else:
+        assert measured == pytest.approx(formula, rel=ACT_REL)
 
 
 def _tp_block(ctx, cfg, batch, seq, sp):
-    out = _saved_per_block(cfg, batch, seq, sizes=dict(tp=2), sp=sp)
-    return out
+    return _saved_per_block(cfg, batch, seq, sizes=dict(tp=2), sp=sp)
 
 
 @pytest.mark.parametrize("sp", [False, True])
-def test_tensor_parallel_block_activations_equal_the_formula_within_ten_percent(pools, sp):
+def test_tensor_parallel_block_activations_equal_the_formula(pools, sp):
     """tp=2: each rank's block keeps the split half of q/k/v/MLP activations and, with sequence
-    parallelism, half of the norms' and projections' inputs too."""
+    parallelism, half of the norms' inputs too (within 2% of `layer_activation_bytes`)."""
     batch, seq = 2, 32
     for rank, measured in enumerate(pools.run(2, _tp_block, ACT_CFG, batch, seq, sp)):
         ffn = 4 * ACT_CFG["n_embd"]
         formula = F.layer_activation_bytes(batch * seq, ACT_CFG["n_embd"], ACT_CFG["n_embd"], ffn, 4, tp=2,
                                            sequence_parallel=sp, gated=False)
-        assert abs(measured - formula) <= 0.10 * formula, (rank, sp, measured, formula)
-
-
-def _paramset(info) -> F.ParamSet:
-    numels, expert, units, has_root = info["ps"]
-    return F.ParamSet([torch.empty(n, device="meta") for n in numels], expert, units, has_root)
+        assert measured == pytest.approx(formula, rel=ACT_REL), (rank, sp)
 
 
 # -- the planner and its command line ------------------------------------------------------------
@@ -288,34 +291,33 @@ def _cli(*args) -> subprocess.CompletedProcess:
 
 
 def test_planner_json_lists_feasible_layouts_fastest_first():
-    """`--json` parses; every layout fits in memory, carries its memory and per-axis traffic, and
-    the list is sorted by predicted step time."""
+    """`--json` parses; every layout carries its memory and per-axis traffic, and the list is sorted
+    by predicted step time."""
     out = _cli("--model", "gpt2-124m", "--gpus", "8", "--global-batch", "64", "--json")
     assert out.returncode == 0, out.stderr
     layouts = json.loads(out.stdout)["layouts"]
     assert layouts and [r["step_s"] for r in layouts] == sorted(r["step_s"] for r in layouts)
     for r in layouts:
-        assert r["fits"] and r["memory"]["total"] <= 0.9 * 80e9
         assert set(r["memory"]) >= {"params", "grads", "optimizer", "activations", "activations_full",
                                     "activations_recompute", "buffers"}
         assert all(row["link"] in ("intra", "inter") for row in r["comm"].values())
 
 
-def test_planner_state_is_the_tested_formula():
-    """The planner's per-rank state for a layout is formulas.state_bytes of that rank's tensors: the
-    arithmetic the tests above prove, not a second copy (Llama-3-8B, zero3 over 8 ranks: 16 bytes
-    per parameter / 8, to within the padding and step counters)."""
+@pytest.mark.parametrize("strategy, per_param", [("ddp", (4, 4, 8)), ("zero1", (2, 2, 12 / 8)),
+                                                  ("zero2", (2, 2 / 8, 12 / 8)), ("zero3", (2 / 8, 2 / 8, 12 / 8))])
+def test_planner_state_is_the_closed_form(strategy, per_param):
+    """Llama-3-8B over 8 data-parallel ranks: the planner's per-rank params, grads and optimizer bytes
+    are the ZeRO paper's per-parameter bytes times its published parameter count (DDP in fp32: 4 + 4
+    + 8; the ZeRO stages in bf16: 2 + 2 + 12 (fp32 master and moments), sharded /8 from the optimizer
+    (zero1), the gradients (zero2), the parameters (zero3)), to within padding and step counters."""
     from minipar.plan import Layout, evaluate
     from minipar.plan.presets import H100, MODELS
 
     model = MODELS["llama3-8b"]
-    r = evaluate(model, H100, 64, Layout(tp=1, pp=1, dp=8, strategy="zero3"))
-    dp = F.DataParallel("zero3", 8, param=2)
-    assert {k: r["memory"][k] for k in ("params", "grads", "optimizer")} == \
-        F.state_bytes(model.stage_params(1, 1, 1, 0), dp)
-    state = r["memory"]["params"] + r["memory"]["grads"] + r["memory"]["optimizer"]
-    assert state == pytest.approx(16 * model.params() / 8, rel=1e-4)
     assert model.params() == 8_030_261_248  # Llama-3-8B's published count
+    memory = evaluate(model, H100, 64, Layout(tp=1, pp=1, dp=8, strategy=strategy))["memory"]
+    for what, b in zip(("params", "grads", "optimizer"), per_param):
+        assert memory[what] == pytest.approx(b * 8_030_261_248, rel=1e-6), what
 
 
 def test_explain_shows_the_arithmetic_and_refusals_say_why():
