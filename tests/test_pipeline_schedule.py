@@ -16,6 +16,7 @@ from fractions import Fraction
 import pytest
 from hypothesis import given, strategies as st
 
+from minipar.formulas import bubble_fraction
 from minipar.pipeline import Action, gpipe, one_f_one_b, simulate
 from minipar.pipeline.schedule import SCHEDULES, Schedule, chunks_per_rank, holder, interleaved_1f1b, \
     virtual_stage, zb_h1, zb_v
@@ -121,18 +122,23 @@ def test_activation_memory_stays_within_each_schedules_bound(stages):
 @pytest.mark.parametrize("stages", STAGES)
 def test_bubble_fractions_are_the_published_ones(stages):
     """With unit costs (F=1, B=2 whole; F=B=W=1 split; a chunk's share 1/v of that), the simulated
-    idle share of the step, exactly."""
+    idle share of the step, exactly; for GPipe, 1F1B and interleaved 1F1B it is what the planner
+    uses, `formulas.bubble_fraction(p, m, v)` (a float: the fraction correctly rounded)."""
     p = stages
     for m in range(p, 4 * p + 1):
         for schedule in (gpipe(p, m), one_f_one_b(p, m)):
-            assert simulate(schedule)["bubble"] == Fraction(p - 1, m + p - 1)
+            bubble = simulate(schedule)["bubble"]
+            assert bubble == Fraction(p - 1, m + p - 1)
+            assert float(bubble) == bubble_fraction(p, m)
         h1 = simulate(zb_h1(p, m))
         assert h1["bubble"] == Fraction(p - 1, 3 * m + p - 1)
         idle_1f1b = simulate(one_f_one_b(p, m))["makespan"] - 3 * m  # per rank: 3(p-1)
         assert h1["makespan"] - 3 * m == idle_1f1b / 3 == p - 1  # a third of 1F1B's idle time
         if m % p == 0:
             for v in (1, 2, 3):
-                assert simulate(interleaved_1f1b(p, m, v))["bubble"] == Fraction(p - 1, v * m + p - 1)
+                bubble = simulate(interleaved_1f1b(p, m, v))["bubble"]
+                assert bubble == Fraction(p - 1, v * m + p - 1)
+                assert float(bubble) == bubble_fraction(p, m, v)
 
 
 @pytest.mark.parametrize("stages", STAGES)
