@@ -218,7 +218,9 @@ def test_dp_vs_ddp_runs_and_reports_the_ratio_the_phases_and_the_bytes(tmp_path)
 def test_onebit_adam_runs_and_reports_the_wire_ratio(tmp_path):
     """benchmarks/onebit_adam.py on 2 ranks, a short run: both optimizers train, the table and --json
     report the losses and the bytes, and after the warm-up 1-bit Adam puts at most 1/25 of AdamW's
-    bytes on the wire (counted by the collective layer)."""
+    bytes on the wire (counted by the collective layer). A smoke run: 12 steps cannot reach the
+    benchmark's own loss goal (within 2% of AdamW after 200 steps, its exit check, recorded in
+    docs/results.md), so --tolerance 1 turns that check off here."""
     result = tmp_path / "onebit.json"
     out = _torchrun("onebit_adam.py", "--steps", "12", "--freeze-step", "4", "--tolerance", "1",
                     "--json", str(result))
