@@ -12,12 +12,14 @@ Public API:
     formulas, plan        -- the state/traffic/activation arithmetic and the layout planner (python -m minipar.plan)
     ParameterServer       -- servers own parameter partitions, workers push and pull (minipar.parameter_server)
     data_parallel         -- single-process DataParallel, the teaching contrast to DDP (minipar.data_parallel)
+    Offload               -- optimizer state and zero3 parameters to host memory or disk (minipar.offload)
 """
 
 from . import checkpoint, recompute, regions
 from .comm import AxisGroup, Comm, CommStats
 from .comm_errors import CollectiveError
 from .mesh import Mesh, init, shutdown
+from .offload import Offload, OffloadError
 from .onebit import OneBitAdam
 from .parameter_server import ParameterServer
 from .precision import MixedPrecision
@@ -28,5 +30,5 @@ from .tensor_parallel import TensorParallelConfig
 
 __all__ = ["init", "shutdown", "Mesh", "ShardedModule", "STRATEGIES", "DataParallelConfig", "TensorParallelConfig",
            "PipelineConfig", "StageSpec", "MixedPrecision", "Comm", "CommStats", "CollectiveError", "AxisGroup", "regions", "checkpoint", "recompute",
-           "OneBitAdam", "ParameterServer"]
+           "OneBitAdam", "ParameterServer", "Offload", "OffloadError"]
 __version__ = "0.1.0"

@@ -56,6 +56,7 @@ from .flat import FlatLayout, ShardGroup
 from .grad_buckets import EndOfBackward, GradStaging, LaunchOrder
 from .mesh import Mesh
 from .precision import MixedPrecision
+from .offload import Offload
 from .sharded_optim import GradState, ShardedState, make_master
 from .units import assign_params, select_units
 
@@ -72,6 +73,7 @@ class Part:
     group: ShardGroup
     full: torch.Tensor                      # (padded,) compute dtype; storage empty while SHARDED
     grads: GradStaging                      # the part's gradient on its way to the shard
+    index: int = -1                         # of its group in the strategy's groups
 
 
 @dataclass
@@ -104,7 +106,7 @@ class Zero3(ShardedState):
 
     stage = 3
 
-    def __init__(self, module: nn.Module, mesh: Mesh, policy: MixedPrecision, offload: bool,
+    def __init__(self, module: nn.Module, mesh: Mesh, policy: MixedPrecision, offload: Offload | None,
                  wrap_policy: Any = None, reshard_after_forward: bool = True, unit_check: bool = True) -> None:
         super().__init__(mesh, policy, offload)
         unit_modules = select_units(module, wrap_policy)
@@ -118,6 +120,9 @@ class Zero3(ShardedState):
                          for axis in dict.fromkeys(axes[id(p)] for p in params)]
                 self.units.append(Unit(name, m, parts, is_root=m is module))
         self.groups = [part.group for u in self.units for part in u.parts]
+        for i, part in enumerate(part for u in self.units for part in u.parts):
+            part.index = i
+        self._reads: dict = {}  # params="nvme": shard reads started ahead of their gather, by group
         # Reduce-scatters launch in this fixed order on every rank (backward runs units in reverse).
         self._rs_order = [u for u in reversed(self.units) if not u.is_root] + [u for u in self.units if u.is_root]
         stagings = [(u, part) for u in self._rs_order for part in u.parts]
@@ -148,6 +153,7 @@ class Zero3(ShardedState):
         self._hooks.append(module.register_forward_pre_hook(self._root_pre_forward))
         self._hooks.append(module.register_forward_hook(self._root_post_forward))
         self._root = next((u for u in self.units if u.is_root), None)
+        self.offload_setup()  # (collective: every rank reserves its offload files, or all raise)
 
     def _make_part(self, params: list[nn.Parameter], axis, device) -> Part:
         lay = FlatLayout.of(params, axis.size, axis.rank)
@@ -175,7 +181,8 @@ class Zero3(ShardedState):
             self.same_units.agree(self.units.index(u), [part.group.axis.name for part in u.parts])
         for part in u.parts:
             part.full.untyped_storage().resize_(part.full.numel() * part.full.element_size())
-            u.works.append(self.comm.all_gather(part.full, part.group.shard, self._twin[part.group.axis.name],
+            shard = self.shard_on_device(part.index, self._reads)  # (brought in first when offloaded)
+            u.works.append(self.comm.all_gather(part.full, shard, self._twin[part.group.axis.name],
                                                 async_op=True, tag="param"))
         if async_op:
             u.state = UnitState.GATHERING
@@ -217,7 +224,16 @@ class Zero3(ShardedState):
             nxt = _following(self._last_fwd_order, u)
             if nxt is not None:
                 self.unshard(nxt, async_op=True)  # prefetch: overlaps the next unit's gather with this compute
+                self._read_ahead(_following(self._last_fwd_order, nxt))
         return pre_forward
+
+    def _read_ahead(self, u: Unit | None) -> None:
+        """params="nvme": start reading ``u``'s shards from disk (the unit after the one prefetched)."""
+        if u is None or self.files is None or self.offload.params != "nvme" or u.state is not UnitState.SHARDED:
+            return
+        for part in u.parts:
+            if part.index not in self._reads:
+                self._reads[part.index] = self.read_shard(part.index)
 
     def _forward_hook(self, u: Unit) -> Callable:
         def post_forward(module, args, output) -> None:
@@ -241,9 +257,11 @@ class Zero3(ShardedState):
             return
         u.backward_started = True
         self.unshard(u)
-        prev = _following(list(reversed(self._fwd_order)), u)
+        backward_order = list(reversed(self._fwd_order))
+        prev = _following(backward_order, u)
         if prev is not None and not prev.is_root:
             self.unshard(prev, async_op=True)
+            self._read_ahead(_following(backward_order, prev))
 
     def _grad_hook(self, u: Unit, part: Part, i: int) -> Callable:
         def hook(p: nn.Parameter) -> None:

@@ -36,6 +36,7 @@ from .grad_norm import clip_
 from .join import Join, scaled
 from .mesh import Mesh
 from .moe import check_moe_config, moe_layers, shard_experts
+from .offload import agree as agree_offload, check_path
 from .recompute import check_units, checkpoint_modules, select_checkpointed
 from .pipeline import Stage, default_boundaries, resolve_boundaries, spec_for
 from .pipeline.spec import find
@@ -48,7 +49,8 @@ from .zero import Zero1, Zero2
 # The flat keyword arguments ShardedModule also takes, and the config each belongs to (and its field).
 _FLAT_OPTIONS = {
     "bucket_cap_mb": ("strategy", "bucket_cap_mb"), "mixed_precision": ("strategy", "mixed_precision"),
-    "cpu_offload": ("strategy", "cpu_offload"), "wrap_policy": ("strategy", "wrap_policy"),
+    "cpu_offload": ("strategy", "cpu_offload"), "offload": ("strategy", "offload"),
+    "wrap_policy": ("strategy", "wrap_policy"),
     "reshard_after_forward": ("strategy", "reshard_after_forward"),
     "unit_check": ("strategy", "unit_check"),
     "tp_plan": ("tensor_parallel", "plan"), "sequence_parallel": ("tensor_parallel", "sequence_parallel"),
@@ -87,10 +89,10 @@ def build_strategy(config: DataParallelConfig, module: nn.Module, mesh: Mesh, re
     if not config.sharded:
         return DataParallel(module, mesh, bucket_cap_mb=config.bucket_cap_mb)
     if config.zero3:
-        return Zero3(module, mesh, policy, config.cpu_offload, config.wrap_policy, reshard_after_forward,
+        return Zero3(module, mesh, policy, config.offload, config.wrap_policy, reshard_after_forward,
                      config.unit_check)
     stage = {"zero1": Zero1, "zero2": Zero2}[config.strategy]
-    return stage(module, mesh, policy, config.cpu_offload, config.bucket_cap_mb)
+    return stage(module, mesh, policy, config.offload, config.bucket_cap_mb)
 
 
 class ShardedModule(nn.Module):
@@ -101,7 +103,7 @@ class ShardedModule(nn.Module):
         module: the model, as built for one process; moved to ``mesh.device``.
         mesh: the process mesh; default: ``Mesh()`` over the initialised world (all ranks data-parallel).
         strategy: "ddp", "zero1", "zero2", "zero3" (= "fsdp"), or a `DataParallelConfig` with the
-            strategy's options (bucket size, mixed precision, CPU offload, zero3 wrap policy and resharding).
+            strategy's options (bucket size, mixed precision, offload, zero3 wrap policy and resharding).
         tensor_parallel: a `TensorParallelConfig` (plan, sequence parallelism), used when tp > 1.
         pipeline: a `PipelineConfig` (schedule: gpipe, 1f1b, interleaved_1f1b, zb_h1, zb_v;
             micro-batches, virtual stages, boundaries, timeline), used when pp > 1.
@@ -111,8 +113,9 @@ class ShardedModule(nn.Module):
             activations: True (each nn.ModuleList entry: the transformer blocks), a tuple of module
             classes, or a callable(module) -> bool; dropout masks are replayed (`minipar.recompute`).
         **options: the configs' fields as flat keywords, as before the configs existed:
-            bucket_cap_mb, mixed_precision, cpu_offload, wrap_policy, reshard_after_forward, unit_check
-            (strategy);
+            bucket_cap_mb, mixed_precision, offload (a `minipar.Offload`: optimizer state to "cpu" or
+            "nvme", zero3's parameters too; cpu_offload=True is Offload(optimizer="cpu")), wrap_policy,
+            reshard_after_forward, unit_check (strategy);
             tp_plan, sequence_parallel, dropout_seed (tensor_parallel); schedule, microbatches,
             pipeline_boundaries, record_timeline, stage_spec, virtual_stages (pipeline).
 
@@ -183,12 +186,14 @@ class ShardedModule(nn.Module):
         # cp > 1: attention and positions switch to the split sequence (attention dropout, heads per
         # rank that Ulysses cannot split: ValueError here, before any collective)
         self.context = ContextParallel(module, mesh, context_parallel) if mesh.cp > 1 else None
+        offload_path_error = check_path(dp_config.offload)  # missing or unwritable: agreed just below
         # The first collectives: a model, layout or plan that differs between ranks fails here, on
         # every rank, instead of hanging in the first forward; then every rank starts from rank 0's weights.
         agree_on_model(mesh, module, {"strategy": dp_config, "reshard": reshard_after_forward,
                                       "tensor_parallel": tp_config, "pipeline": pp_config,
                                       "activation_checkpointing": activation_checkpointing,
                                       "context_parallel": context_parallel})
+        agree_offload(mesh, "the offload path check", offload_path_error)
         broadcast_initial_state(module, mesh)
         if runner is not None:
             runner.connect()

@@ -23,6 +23,7 @@ stage spread the new parameters (stages 1 and 2 all-gather them).
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections import OrderedDict
 from enum import Enum
 from typing import Any, Iterator
@@ -36,6 +37,7 @@ from .comm import AxisGroup
 from .flat import FlatLayout, ShardGroup
 from .grad_norm import GradPiece
 from .mesh import Mesh
+from .offload import DiskFiles, NvmeOptimizer, Offload, OffloadError, OffloadTraffic, agree, host_empty, placeholder
 from .placement import placement_of
 from .precision import LossScaler, MixedPrecision
 from .strategy import Strategy, optimizer_state_tensors, storage_bytes
@@ -43,12 +45,14 @@ from .strategy import Strategy, optimizer_state_tensors, storage_bytes
 OFFLOAD_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 
 
-def make_master(shard: torch.Tensor, real_fp32: torch.Tensor, offload: bool) -> nn.Parameter:
-    """The optimizer's tensor: a view of ``shard`` when it can be, else an fp32 copy (on CPU if offloaded)."""
+def make_master(shard: torch.Tensor, real_fp32: torch.Tensor, offload: Offload | None) -> nn.Parameter:
+    """The optimizer's tensor: a view of ``shard`` when it can be, else an fp32 copy (on the host
+    when the optimizer is offloaded; "nvme" then moves it to its file)."""
     n = real_fp32.numel()
-    if shard.dtype == torch.float32 and not offload:
+    offloaded = offload is not None and offload.optimizer is not None
+    if shard.dtype == torch.float32 and not offloaded:
         return nn.Parameter(shard[:n], requires_grad=True)
-    return nn.Parameter(real_fp32.detach().to("cpu" if offload else shard.device, torch.float32, copy=True))
+    return nn.Parameter(real_fp32.detach().to("cpu" if offloaded else shard.device, torch.float32, copy=True))
 
 
 class GradState(Enum):
@@ -74,10 +78,14 @@ class ShardedState(Strategy):
     # (stages 2 and 3); ZeRO-1's buckets are undefined until a reduction fills them.
     reduced_states = (GradState.EMPTY, GradState.REDUCED, GradState.UNSCALED)
 
-    def __init__(self, mesh: Mesh, policy: MixedPrecision, offload: bool) -> None:
+    def __init__(self, mesh: Mesh, policy: MixedPrecision, offload: Offload | None) -> None:
         self.mesh, self.comm, self.world = mesh, mesh.comm, mesh.world
         self.group = mesh.group(mesh.grad_axis)
         self.policy, self.offload = policy, offload
+        self.traffic = OffloadTraffic()  # bytes offloading moved (`minipar.offload`)
+        self.files: DiskFiles | None = None
+        self.nvme: NvmeOptimizer | None = None
+        self._disk_error: str | None = None
         self.scaler = LossScaler(policy.init_scale, policy.growth_interval, policy.uses_loss_scaling)
         self.groups: list[ShardGroup] = []
         self._sync = True  # False inside no_sync with local accumulation
@@ -171,6 +179,8 @@ class ShardedState(Strategy):
             return True
         for g in self.groups:
             grad = g.real_grad
+            if self.offload is not None:  # the gradient shard goes to the host, where the masters are
+                self.traffic.add("to_host", grad.numel() * grad.element_size())
             if grad.dtype != torch.float32 or grad.device != g.master.device:
                 grad = grad.to(g.master.device, torch.float32)
             g.master.grad = grad
@@ -178,8 +188,9 @@ class ShardedState(Strategy):
 
     def can_fuse(self, optimizer: torch.optim.Optimizer) -> bool:
         """The fused AdamW kernel can step ``optimizer`` over the masters: Adam/AdamW that it
-        supports, masters on a device where the dispatch rule picks Triton, gradients beside them."""
-        return kernels.adamw_supports(optimizer) and all(
+        supports, masters on a device where the dispatch rule picks Triton, gradients beside them
+        (never under offload: its step runs on the host, where the transfers are counted)."""
+        return self.offload is None and kernels.adamw_supports(optimizer) and all(
             kernels.use_triton(g.master) and g.grad_shard.device == g.master.device for g in self.groups)
 
     @torch.no_grad()
@@ -192,9 +203,22 @@ class ShardedState(Strategy):
         grads, outs = {}, {}
         for g in self.groups:
             grads[id(g.master)] = g.real_grad
-            if g.master.data_ptr() != g.shard.data_ptr():
+            if not self.master_is_shard(g):
                 outs[id(g.master)] = g.shard[:g.layout.real_len]
         kernels.fused_step(optimizer, outs, grads)
+        self._shards_written = True
+        return True
+
+    @torch.no_grad()
+    def nvme_step(self) -> bool:
+        """The step with the optimizer state in files (`minipar.offload.NvmeOptimizer`): chunk by
+        chunk, each new chunk written into the compute shards. False: skipped (overflow)."""
+        if self.unscale_():
+            return False
+        try:
+            self.nvme.step([g.real_grad for g in self.groups], self._write_shard, self.traffic, self.mesh.device)
+        except OffloadError as e:
+            self._disk_error = str(e)  # raised on every rank by finish_step, which every rank reaches
         self._shards_written = True
         return True
 
@@ -205,13 +229,104 @@ class ShardedState(Strategy):
         for g in self.groups:
             g.master.grad = None  # an fp32 copy of the gradient shard, needed only inside the step
         written, self._shards_written = self._shards_written, False
-        if skipped:
+        if not skipped and not written:
+            for i, g in enumerate(self.groups):
+                if not self.master_is_shard(g):
+                    self._write_shard(i, 0, g.master.detach())
+        if self.files is not None:
+            self._agree_on_disk()
+        if not skipped:
+            self.spread_params()
+
+    # -- offload (`minipar.offload`) --------------------------------------------------------
+
+    def master_is_shard(self, g: ShardGroup) -> bool:
+        """The fp32 master is a view of the compute shard (fp32, nothing offloaded): no copy to make."""
+        return self.offload is None and g.master.data_ptr() == g.shard.data_ptr()
+
+    def _write_shard(self, i: int, lo: int, values: torch.Tensor) -> None:
+        """New fp32 values of elements [lo, lo + len) of group ``i``'s real part into its compute
+        shard, wherever the shard lives (device, host, or its file)."""
+        g, n = self.groups[i], values.numel()
+        where = self.offload.params if self.offload is not None else None
+        if where == "nvme":
+            self.files.write(f"g{i}.shard", lo, values.to(self.policy.param_dtype))
             return
-        for g in self.groups:
-            n = g.layout.real_len
-            if g.master.data_ptr() != g.shard.data_ptr() and not written:
-                g.shard[:n].copy_(g.master)
-        self.spread_params()
+        if where is None and self.offload is not None and self.offload.optimizer is not None:
+            self.traffic.add("to_device", n * g.shard.element_size())  # host masters -> device shard
+        g.shard[lo:lo + n].copy_(values)
+
+    def _agree_on_disk(self) -> None:
+        """Every write of this step landed on every rank, or `OffloadError` on every rank."""
+        error, self._disk_error = self._disk_error, None
+        if error is None:
+            try:
+                self.files.wait_writes()
+            except OffloadError as e:
+                error = str(e)
+        errors = self.comm.all_gather_object(error, self.world, tag="offload")
+        failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+        if failed:
+            raise OffloadError("the offloaded state could not be written:\n" +
+                               "\n".join(f"  rank {r}: {e}" for r, e in failed))
+
+    def offload_setup(self) -> None:
+        """Once the stage made its groups: send the masters (and zero3's shards) to their offload
+        homes, reserving the files; ValueError on every rank if any rank cannot."""
+        off, error = self.offload, None
+        if off is None:
+            return
+        try:
+            if off.nvme:
+                self.files = DiskFiles(off.path, self.mesh.rank, self.traffic)
+            for i, g in enumerate(self.groups):
+                if off.params == "cpu":
+                    host = host_empty(g.shard.numel(), g.shard.dtype, g.shard.device)
+                    g.shard = host.copy_(g.shard)
+                elif off.params == "nvme":
+                    self.files.create(f"g{i}.shard", g.shard)
+                    g.shard = placeholder(g.shard.numel(), g.shard.dtype)
+                if off.optimizer == "nvme":
+                    self.files.create(f"g{i}.master", g.master.detach())
+                    g.master.data = placeholder(g.master.numel())
+        except OSError as e:
+            error = f"offloading to {off.path}: {e}; free space there or offload to 'cpu'"
+        if error is not None and self.files is not None:
+            self.files.close()  # removes only the files it made; nothing else under path is touched
+        agree(self.mesh, "Offload(...) setup", error)
+        if off.optimizer == "nvme":
+            self.nvme = NvmeOptimizer(self.files, [g.master for g in self.groups], off.chunk_elems)
+
+    def shard_on_device(self, i: int, ahead: dict | None = None) -> torch.Tensor:
+        """Group ``i``'s compute shard on the device, for its all-gather: the shard itself, or a
+        copy from the host or from its file (``ahead``: reads started earlier, by group)."""
+        g = self.groups[i]
+        where = self.offload.params if self.offload is not None else None
+        if where is None:
+            return g.shard
+        if where == "nvme":
+            pending = (ahead or {}).pop(i, None) or self.read_shard(i)
+            host = pending.result()
+        else:
+            host = g.shard
+        self.traffic.add("to_device", host.numel() * host.element_size())
+        out = torch.empty(host.shape, dtype=host.dtype, device=self.mesh.device)
+        return out.copy_(host, non_blocking=host.is_pinned())
+
+    def read_shard(self, i: int):
+        """Start reading group ``i``'s shard from its file (params="nvme"): a future of a host buffer."""
+        return self.files.read(f"g{i}.shard", 0, self.groups[i].shard.numel(), self.mesh.device)
+
+    def offloaded_state(self, write_back: bool = False):
+        """A context in which every tensor the optimizer steps is an ordinary tensor with its
+        state (checkpoints, state dicts, full parameters); a no-op unless optimizer="nvme"."""
+        if self.nvme is None:
+            return contextlib.nullcontext()
+        return self.nvme.in_memory(write_back)
+
+    def offload_traffic(self) -> dict[str, int]:
+        """Bytes offloading moved since construction: to_device, to_host, disk_read, disk_write."""
+        return self.traffic.snapshot()
 
     def zero_grad(self) -> None:
         for g in self.groups:
@@ -227,10 +342,12 @@ class ShardedState(Strategy):
     @torch.no_grad()
     def refresh_params(self) -> None:
         """The compute-dtype shards follow the fp32 masters (as after a step); then the stage makes
-        full parameters current."""
-        for g in self.groups:
-            if g.master.data_ptr() != g.shard.data_ptr():
-                g.shard[:g.layout.real_len].copy_(g.master)
+        full parameters current. Under optimizer="nvme", call it inside ``offloaded_state``."""
+        for i, g in enumerate(self.groups):
+            if not self.master_is_shard(g):
+                self._write_shard(i, 0, g.master.detach())
+        if self.files is not None:
+            self.files.wait_writes()
         self.spread_params()
 
     # -- accounting ------------------------------------------------------------
@@ -238,19 +355,28 @@ class ShardedState(Strategy):
     def memory_stats(self) -> dict[str, int]:
         """Bytes of persistent state this rank holds: parameters, gradients, optimizer (masters + state)."""
         seen: set[int] = set()
-        params = storage_bytes(self.param_tensors(), seen)
-        grads = storage_bytes(self.grad_tensors(), seen)
-        opt_tensors = [g.master for g in self.groups]
+        off = self.offload
+        param_tensors, opt_tensors = self.param_tensors(), [g.master for g in self.groups]
         if self.optimizer is not None:
             opt_tensors += optimizer_state_tensors(self.optimizer.optimizer)
-        return {"params": params, "grads": grads, "optimizer": storage_bytes(opt_tensors, seen)}
+        host = []
+        if off is not None and off.params is not None:
+            host, param_tensors = param_tensors, []
+        if off is not None and off.optimizer is not None:
+            host, opt_tensors = host + opt_tensors, []
+        out = {"params": storage_bytes(param_tensors, seen), "grads": storage_bytes(self.grad_tensors(), seen),
+               "optimizer": storage_bytes(opt_tensors, seen)}
+        if off is not None:  # what offloading keeps off the device (on a CPU run: apart from the compute tensors)
+            out.update(host=storage_bytes(host, seen), disk=self.files.nbytes() if self.files is not None else 0)
+        return out
 
     def param_tensors(self) -> list[torch.Tensor]:
         return [g.shard for g in self.groups]
 
     def full_params(self) -> dict[int, torch.Tensor]:
         """{id(parameter): its full fp32 value}, gathered from every rank's master shard."""
-        return self._gather([g.master for g in self.groups])
+        with self.offloaded_state():
+            return self._gather([g.master for g in self.groups])
 
     def full_grads(self) -> dict[int, torch.Tensor]:
         """{id(parameter): its full reduced gradient in fp32} (before the step; for tests and debugging)."""
@@ -273,9 +399,9 @@ class ShardedState(Strategy):
         out: dict[int, torch.Tensor] = {}
         for g, real in zip(self.groups, real_parts):
             lay = g.layout
-            mine = torch.zeros(lay.shard_size, dtype=torch.float32, device=g.shard.device)
+            mine = torch.zeros(lay.shard_size, dtype=torch.float32, device=self.mesh.device)
             mine[: lay.real_len].copy_(real)
-            full = torch.empty(lay.padded, dtype=torch.float32, device=g.shard.device)
+            full = torch.empty(lay.padded, dtype=torch.float32, device=self.mesh.device)
             self.comm.all_gather(full, mine, g.axis, tag="state_dict")
             for p, view in zip(lay.params, lay.views(full)):
                 out[id(p)] = view
@@ -297,13 +423,15 @@ class ShardedOptimizer:
     """
 
     def __init__(self, state: ShardedState, optimizer_cls: type[torch.optim.Optimizer], **kwargs) -> None:
-        if state.offload and not issubclass(optimizer_cls, OFFLOAD_OPTIMIZERS):
+        if state.offload is not None and not issubclass(optimizer_cls, OFFLOAD_OPTIMIZERS):
             names = ", ".join(f"torch.optim.{c.__name__}" for c in OFFLOAD_OPTIMIZERS)
-            raise ValueError(f"cpu_offload=True supports {names}; got {optimizer_cls.__name__}. "
-                             "Use one of those, or cpu_offload=False")
+            raise ValueError(f"optimizer offload (cpu_offload=True or offload=Offload(...)) supports {names}; got "
+                             f"{optimizer_cls.__name__}. Use one of those, or no offload")
         self.state = state
         self.optimizer = optimizer_cls([g.master for g in state.groups], **kwargs)
         state.optimizer = self
+        if state.nvme is not None:  # the per-element state gets its files
+            state.nvme.build(self.optimizer)
         self._step_hooks: OrderedDict[int, Any] = OrderedDict()  # weakly referenced by RemovableHandle
 
     @property
@@ -316,7 +444,9 @@ class ShardedOptimizer:
         Adam/AdamW on a GPU (or under the Triton interpreter) step through the fused
         kernel; everything else through the torch optimizer. Both keep torch's state format.
         """
-        if self.state.can_fuse(self.optimizer):
+        if self.state.nvme is not None:
+            stepped = self.state.nvme_step()
+        elif self.state.can_fuse(self.optimizer):
             stepped = self.state.fused_step(self.optimizer)
         else:
             stepped = not self.state.prepare_step()
@@ -337,12 +467,15 @@ class ShardedOptimizer:
         self.state.zero_grad()
 
     def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "scaler": self.state.scaler.state_dict(),
+        with self.state.offloaded_state():
+            optimizer = copy.deepcopy(self.optimizer.state_dict())  # (the offloaded tensors leave memory after)
+        return {"optimizer": optimizer, "scaler": self.state.scaler.state_dict(),
                 "layout": self.state.layout_signature()}
 
     def load_state_dict(self, state_dict: dict) -> None:
         if state_dict["layout"] != self.state.layout_signature():
             raise ValueError("this optimizer state was saved under another sharding layout (stage, world size, "
                              "bucket size or model); load it into a ShardedModule built the same way")
-        self.optimizer.load_state_dict(state_dict["optimizer"])
+        with self.state.offloaded_state(write_back=True):
+            self.optimizer.load_state_dict(state_dict["optimizer"])
         self.state.scaler.load_state_dict(state_dict["scaler"])

@@ -15,6 +15,7 @@ them without knowing which one they hold::
     memory_stats()       bytes of persistent parameters, gradients and optimizer state
     full_params(), full_grads()   {id(param): full tensor} (layout-free state, for state dicts)
     stepped_ranges()     which elements of each parameter this rank's optimizer steps (checkpoints)
+    offloaded_state()    a context holding offloaded optimizer state in memory (checkpoints)
 
 A gradient's life under this protocol: backward leaves it in ``p.grad`` (or,
 synchronising, the strategy moves it into its buckets and reduces it there);
@@ -34,6 +35,7 @@ from typing import Any
 import torch
 
 from .grad_norm import GradPiece
+from .offload import Offload
 from .precision import LossScaler, MixedPrecision
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")  # "fsdp" is another name for "zero3"
@@ -44,7 +46,8 @@ class DataParallelConfig:
     """The data-parallel strategy and its options, checked together.
 
     strategy: one of `STRATEGIES`; bucket_cap_mb: gradient bucket size of DDP, ZeRO-1 and ZeRO-2
-    (MiB, > 0); mixed_precision, cpu_offload: the ZeRO stages' (DDP computes in the parameters' own
+    (MiB, > 0); mixed_precision, offload (`minipar.Offload`; cpu_offload=True is
+    Offload(optimizer="cpu")): the ZeRO stages' (DDP computes in the parameters' own
     dtype: ZeRO-1 is DDP with fp32 masters); wrap_policy: how zero3 cuts units
     (`minipar.units.select_units`); reshard_after_forward: zero3 frees a unit after its forward
     (default: yes without a pipeline, no under one); unit_check: zero3 checks, before each unit's
@@ -56,6 +59,7 @@ class DataParallelConfig:
     bucket_cap_mb: float = 25.0
     mixed_precision: MixedPrecision | None = None
     cpu_offload: bool = False
+    offload: Offload | None = None
     wrap_policy: Any = None
     reshard_after_forward: bool | None = None
     unit_check: bool = True
@@ -71,9 +75,22 @@ class DataParallelConfig:
             raise ValueError(f"reshard_after_forward={self.reshard_after_forward!r} must be True, False or None")
         if self.unit_check not in (True, False):
             raise ValueError(f"unit_check={self.unit_check!r} must be True or False")
-        if self.strategy == "ddp" and (self.mixed_precision is not None or self.cpu_offload
+        if self.offload is not None and not isinstance(self.offload, Offload):
+            raise ValueError(f"offload={self.offload!r} must be a minipar.Offload(optimizer=..., params=..., path=...)")
+        if self.cpu_offload not in (True, False):
+            raise ValueError(f"cpu_offload={self.cpu_offload!r} must be True or False")
+        if self.cpu_offload and self.offload is not None:
+            raise ValueError("pass cpu_offload=True or offload=Offload(...), not both; cpu_offload=True is "
+                             "Offload(optimizer='cpu')")
+        if self.cpu_offload:  # the older spelling of the same thing: one place reads it, `offload`
+            object.__setattr__(self, "offload", Offload(optimizer="cpu"))
+        if self.offload is not None and self.offload.params is not None and not self.zero3:
+            raise ValueError(f"Offload(params={self.offload.params!r}) offloads zero3's parameter shards; "
+                             f"{self.strategy} keeps the full parameters on every rank: use strategy='zero3', or "
+                             "offload only the optimizer (Offload(optimizer=...))")
+        if self.strategy == "ddp" and (self.mixed_precision is not None or self.offload is not None
                                        or self.wrap_policy is not None):
-            raise ValueError("mixed_precision, cpu_offload and wrap_policy apply to the sharded strategies (DDP "
+            raise ValueError("mixed_precision, offload (cpu_offload) and wrap_policy apply to the sharded strategies (DDP "
                              "computes in the parameters' own dtype); use strategy='zero1', 'zero2' or 'zero3' "
                              "for them (zero1 is DDP with fp32 masters and a sharded optimizer)")
         if self.strategy in ("zero1", "zero2") and self.wrap_policy is not None:
@@ -141,6 +158,12 @@ class Strategy(abc.ABC):
     def refresh_params(self) -> None:
         """After the tensors the optimizer steps were overwritten (a checkpoint load): make the
         module's parameters follow them."""
+
+    def offloaded_state(self, write_back: bool = False) -> contextlib.AbstractContextManager:
+        """A context in which the tensors the optimizer steps, and its state, are ordinary tensors
+        (they may live in files between steps: `minipar.offload`); ``write_back`` keeps what the
+        block wrote into them."""
+        return contextlib.nullcontext()
 
 
 def storage_bytes(tensors, seen: set[int]) -> int:

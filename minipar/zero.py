@@ -48,6 +48,7 @@ from .ddp import bucket_params
 from .flat import FlatLayout, ShardGroup
 from .grad_buckets import BucketHooks, GradStaging, ShardBucket, claim, divide_into
 from .mesh import Mesh
+from .offload import Offload
 from .precision import MixedPrecision
 from .comm import AxisGroup, Comm
 from .sharded_optim import GradState, ShardedState, make_master
@@ -59,7 +60,7 @@ class _BucketedShards(BucketHooks, ShardedState):
 
     stage: int
 
-    def __init__(self, module: nn.Module, mesh: Mesh, policy: MixedPrecision, offload: bool,
+    def __init__(self, module: nn.Module, mesh: Mesh, policy: MixedPrecision, offload: Offload | None,
                  bucket_cap_mb: float) -> None:
         super().__init__(mesh, policy, offload)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
@@ -69,6 +70,7 @@ class _BucketedShards(BucketHooks, ShardedState):
                            for bucket in bucket_params(params, cap)])
         self.buckets = self._make_buckets()
         self._hook_buckets(self.comm, window=2)  # at most two launched staging buffers wait to land
+        self.offload_setup()  # (collective: every rank reserves its offload files, or all raise)
 
     def _keeps_local(self, bucket, i: int) -> bool:
         # A no_sync backward leaves gradients in p.grad that the shards do not hold; a synchronising

@@ -140,19 +140,21 @@ def save(path: str | os.PathLike, model, optimizer, extra_state: Any = None) -> 
             error = f"cannot create {tmp}: {type(e).__name__}: {e}"
     _agree(mesh, "checkpoint.save: creating the directory", error)
 
-    slots = slots_of(model)
     opt = optimizer_of(optimizer)
     group_of = {id(p): i for i, g in enumerate(opt.param_groups) for p in g["params"]}
     pieces = {}
-    for s in slots:
-        if not s.writes:
-            continue
-        n = s.hi - s.lo
-        per_elem, scalars = split_state(opt.state.get(s.owner, {}), s.owner)
-        pieces[s.name] = {"chunks": s.chunks, "lo": s.lo, "hi": s.hi,
-                          "value": s.owner.detach().reshape(-1)[s.at:s.at + n].clone(),
-                          "state": {k: v.reshape(-1)[s.at:s.at + n].clone() for k, v in per_elem.items()},
-                          "scalars": scalars, "group": group_of.get(id(s.owner), 0)}
+    with model.strategy.offloaded_state():  # (optimizer state kept in files comes back for the copy)
+        slots = slots_of(model)
+        for s in slots:
+            if not s.writes:
+                continue
+            n = s.hi - s.lo
+            per_elem, scalars = split_state(opt.state.get(s.owner, {}), s.owner)
+            pieces[s.name] = {"chunks": s.chunks, "lo": s.lo, "hi": s.hi,
+                              "value": s.owner.detach().reshape(-1)[s.at:s.at + n].clone(),
+                              "state": {k: v.reshape(-1)[s.at:s.at + n].clone() for k, v in per_elem.items()},
+                              "scalars": {k: v.clone() if torch.is_tensor(v) else v for k, v in scalars.items()},
+                              "group": group_of.get(id(s.owner), 0)}
     names, aliases = global_names(model)
     first_replica = mesh.dp_rank == 0 and mesh.cp_rank == 0 and mesh.tp_rank == 0
     buffers = {names[id(b)]: b.detach().clone() for b in model.module.buffers() if id(b) in names} \
@@ -221,14 +223,16 @@ def load(path: str | os.PathLike | None, model, optimizer) -> Any:
     all_buffers = {k: v for _, _, bs in everyone for k, v in bs.items()}
 
     error, plan = None, None
-    try:
-        plan = _prepare(path, model, optimizer, slots, all_params, all_buffers)
-    except CheckpointError as e:
-        error = str(e)
-    except Exception as e:  # noqa: BLE001 -- anything unexpected is still a refusal on every rank
-        error = f"{type(e).__name__}: {e}"
-    _agree(mesh, f"checkpoint.load of {path}", error)
-    return _apply(model, optimizer, plan)
+    # Optimizer state kept in files (offload "nvme") is in memory for the block, written back after.
+    with model.strategy.offloaded_state(write_back=True):
+        try:
+            plan = _prepare(path, model, optimizer, slots, all_params, all_buffers)
+        except CheckpointError as e:
+            error = str(e)
+        except Exception as e:  # noqa: BLE001 -- anything unexpected is still a refusal on every rank
+            error = f"{type(e).__name__}: {e}"
+        _agree(mesh, f"checkpoint.load of {path}", error)
+        return _apply(model, optimizer, plan)
 
 
 def _prepare(path: Path, model, optimizer, slots: list[Slot], all_params: dict, all_buffers: dict) -> dict:

@@ -1,0 +1,378 @@
+"""ZeRO-Offload and ZeRO-Infinity: the optimizer's state and ZeRO-3's parameter shards kept off the
+compute device, in host memory ("cpu") or in files on a fast disk ("nvme").
+
+    ShardedModule(model, strategy="zero3",
+                  offload=minipar.Offload(optimizer="nvme", params="cpu", path="/local/nvme"))
+
+What moves where, per rank (Φ: this rank's shard of the parameters)::
+
+    optimizer="cpu"   fp32 masters and the optimizer's moments in host memory; each step the
+                      gradient shard goes to the host, the optimizer steps there, and the new
+                      compute-dtype shard comes back (zero1/2: before their all-gather).
+    optimizer="nvme"  the same state in files under ``path``; the step walks it in chunks of
+                      ``chunk_mb``: the next chunk is read by a background thread while this one
+                      steps, and each stepped chunk is written by another thread behind it, so
+                      host memory holds a few chunks, never the whole state.
+    params="cpu"      (zero3) each unit's parameter shard lives in host memory and is copied to
+                      the device just before its all-gather (the prefetch of the next unit
+                      starts its copy too); the device holds shards only while gathering.
+    params="nvme"     (zero3) the shard lives in a file; it is read ahead when the unit before it
+                      is gathered, then copied to the device as above.
+
+Parameter offload needs optimizer offload (the step runs where the masters are; keeping 12
+bytes per element of optimizer state on the device while offloading 2-4 of parameters would
+be backwards). Every byte moved is counted (`OffloadTraffic`: to the device, to the host, read
+from and written to disk) and `minipar.formulas.offload_traffic` predicts it exactly.
+
+The files: one per flat group and state (``g3.master``, ``g3.exp_avg``, ``g3.shard``...), under
+``path/minipar-offload-rank00005``, created at full size when the model is wrapped (a full disk
+fails then, on every rank, with the space needed, before training starts) and overwritten in
+place afterwards. A write that fails during a step (the disk died, or filled under a file that
+grows) surfaces at the end of that step on every rank as `OffloadError`; the files of earlier
+steps and every checkpoint saved before stay as they were. Offloading changes no arithmetic: the
+chunked step runs the same torch optimizer on each chunk, so in fp32 a run is bitwise equal to
+the same run without offload.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import inspect
+import math
+import os
+import shutil
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.nn as nn
+
+KINDS = (None, "cpu", "nvme")
+
+
+class OffloadError(RuntimeError):
+    """A disk read or write of the offloaded state failed (raised on every rank, after the step)."""
+
+
+@dataclass(frozen=True)
+class Offload:
+    """Where the sharded strategies keep state off the device.
+
+    optimizer: None, "cpu" or "nvme": the fp32 masters and optimizer state (zero1, zero2, zero3).
+    params: None, "cpu" or "nvme": zero3's parameter shards between uses (needs ``optimizer``).
+    path: the directory for "nvme" (must exist and be writable; each rank makes its own folder).
+    chunk_mb: MiB of fp32 masters stepped at once under optimizer="nvme" (host memory holds about
+    five chunks of masters and state at a time).
+    """
+
+    optimizer: str | None = None
+    params: str | None = None
+    path: str | os.PathLike | None = None
+    chunk_mb: float = 64.0
+
+    def __post_init__(self) -> None:
+        for name in ("optimizer", "params"):
+            if getattr(self, name) not in KINDS:
+                raise ValueError(f"Offload({name}={getattr(self, name)!r}): choose None, 'cpu' or 'nvme'")
+        if self.params is not None and self.optimizer is None:
+            raise ValueError(f"Offload(params={self.params!r}) needs optimizer='cpu' or 'nvme' too: the step runs "
+                             "where the fp32 masters are, and the optimizer state (12 bytes per parameter) is what "
+                             "to move off the device first")
+        if self.nvme and self.path is None:
+            raise ValueError("Offload(..., 'nvme') needs path=: the directory (on a fast local disk) for the files")
+        if not self.nvme and self.path is not None:
+            raise ValueError(f"Offload(path={str(self.path)!r}) is used only by 'nvme'; drop path= or choose 'nvme'")
+        cap = self.chunk_mb
+        if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not 0 < cap < math.inf:
+            raise ValueError(f"Offload(chunk_mb={cap!r}) must be a finite number of MiB > 0")
+
+    @property
+    def nvme(self) -> bool:
+        return "nvme" in (self.optimizer, self.params)
+
+    @property
+    def chunk_elems(self) -> int:
+        return max(1, int(self.chunk_mb * 2**20) // 4)
+
+
+def check_path(offload: Offload | None) -> str | None:
+    """Why this rank cannot use ``offload.path`` (None: it can). Run before any collective; the
+    answers are agreed with `agree` so that every rank raises together."""
+    if offload is None or not offload.nvme:
+        return None
+    path = Path(offload.path)
+    if not path.exists():
+        return f"the offload path {str(path)!r} does not exist; create it (on a fast local disk) or pass another"
+    if not path.is_dir():
+        return f"the offload path {str(path)!r} is not a directory"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return f"the offload path {str(path)!r} is not writable by this process; pass a directory it can write"
+    return None
+
+
+def agree(mesh, what: str, error: str | None) -> None:
+    """ValueError on every rank when any rank had ``error`` (one small collective)."""
+    errors = mesh.comm.all_gather_object(error, mesh.world, tag="offload")
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if failed:
+        raise ValueError(f"{what} failed:\n" + "\n".join(f"  rank {r}: {e}" for r, e in failed))
+
+
+class OffloadTraffic:
+    """Bytes moved by offloading since construction, by kind (read it before and after a step)."""
+
+    KINDS = ("to_device", "to_host", "disk_read", "disk_write")
+
+    def __init__(self) -> None:
+        self.bytes = dict.fromkeys(self.KINDS, 0)
+
+    def add(self, kind: str, n: int) -> None:
+        self.bytes[kind] += int(n)
+
+    def snapshot(self) -> dict[str, int]:
+        return dict(self.bytes)
+
+
+def host_empty(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host buffer for data on its way to or from ``device`` (pinned when that is a GPU, so the
+    copy can run asynchronously)."""
+    return torch.empty(n, dtype=dtype, pin_memory=device.type == "cuda")
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, writable in place (any dtype, bf16 included)."""
+    assert t.is_contiguous() and t.device.type == "cpu"
+    return memoryview((ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr())).cast("B")
+
+
+# The two system calls the files go through (tests replace them to make a disk fail).
+def _pwrite(fd: int, data: memoryview, offset: int) -> int:
+    return os.pwrite(fd, data, offset)
+
+
+def _pread_into(fd: int, data: memoryview, offset: int) -> int:
+    return os.preadv(fd, [data], offset)
+
+
+class DiskFiles:
+    """This rank's offload files: fixed-size flat arrays, read and written by element range on two
+    background threads (one reading ahead, one writing behind), every byte counted."""
+
+    def __init__(self, root: str | os.PathLike, rank: int, traffic: OffloadTraffic) -> None:
+        self.root = Path(root)
+        self.dir = self.root / f"minipar-offload-rank{rank:05d}"
+        self.traffic = traffic
+        self._files: dict[str, tuple[int, torch.dtype, int]] = {}  # name -> (fd, dtype, numel)
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="minipar-offload-read")
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="minipar-offload-write")
+        self._writes: deque[tuple[str, Future]] = deque()
+        self.dir.mkdir(exist_ok=True)
+
+    def create(self, name: str, values: torch.Tensor) -> None:
+        """A file holding ``values`` (flat), its whole size reserved now: a full disk fails here."""
+        path = self.dir / name
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        self._files[name] = (fd, values.dtype, values.numel())
+        nbytes = values.numel() * values.element_size()
+        try:
+            if nbytes:
+                os.posix_fallocate(fd, 0, nbytes)
+        except OSError as e:
+            free = shutil.disk_usage(self.dir).free
+            raise OSError(e.errno, f"cannot reserve {nbytes} bytes for {path}: {os.strerror(e.errno)} "
+                                   f"({free} bytes free under {self.root})") from e
+        self._write_now(name, 0, values.detach().to("cpu").contiguous())
+
+    def nbytes(self) -> int:
+        return sum(n * torch.empty(0, dtype=d).element_size() for _, d, n in self._files.values())
+
+    def read(self, name: str, lo: int, n: int, device: torch.device) -> Future:
+        """Elements [lo, lo + n) of ``name`` into a new host buffer, read on the reader thread after
+        every write submitted before (a read never sees stale data)."""
+        _, dtype, _ = self._files[name]
+        self.traffic.add("disk_read", n * torch.empty(0, dtype=dtype).element_size())
+        waits = [f for _, f in self._writes]
+        out = host_empty(n, dtype, device)
+
+        def job() -> torch.Tensor:
+            for f in waits:
+                f.result()
+            self._read_now(name, lo, out)
+            return out
+        return self._reader.submit(job)
+
+    def write(self, name: str, lo: int, values: torch.Tensor) -> None:
+        """Write ``values`` at element ``lo`` of ``name`` on the writer thread (``values`` is kept
+        alive until then; the caller must not change it)."""
+        values = values.detach().to("cpu").contiguous()
+        self.traffic.add("disk_write", values.numel() * values.element_size())
+        self._writes.append((name, self._writer.submit(self._write_now, name, lo, values)))
+
+    def wait_writes(self, keep: int = 0) -> None:
+        """Wait until at most ``keep`` writes are in flight; raise `OffloadError` for a failed one."""
+        while len(self._writes) > keep:
+            name, f = self._writes.popleft()
+            try:
+                f.result()
+            except OSError as e:
+                self.abandon()
+                raise OffloadError(f"writing the offloaded {name} to {self.dir / name} failed: {e}; "
+                                   "the step's state is incomplete: load the last checkpoint "
+                                   "(it is untouched) after freeing space or fixing the disk") from e
+
+    def abandon(self) -> None:
+        for _, f in self._writes:
+            f.cancel()
+        self._writes.clear()
+
+    def close(self) -> None:
+        self.abandon()
+        self._reader.shutdown(wait=True)
+        self._writer.shutdown(wait=True)
+        for name, (fd, _, _) in self._files.items():
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(self.dir / name)
+        self._files.clear()
+        with contextlib.suppress(OSError):
+            self.dir.rmdir()
+
+    def _write_now(self, name: str, lo: int, values: torch.Tensor) -> None:
+        fd, dtype, numel = self._files[name]
+        assert values.dtype == dtype and lo + values.numel() <= numel, (name, values.dtype, lo, values.numel())
+        view, offset = _bytes_of(values), lo * values.element_size()
+        while len(view):
+            done = _pwrite(fd, view, offset)
+            if done <= 0:
+                raise OSError(errno.EIO, f"wrote nothing to {self.dir / name}")
+            view, offset = view[done:], offset + done
+
+    def _read_now(self, name: str, lo: int, out: torch.Tensor) -> None:
+        fd, _, _ = self._files[name]
+        view, offset = _bytes_of(out), lo * out.element_size()
+        while len(view):
+            done = _pread_into(fd, view, offset)
+            if done <= 0:
+                raise OSError(errno.EIO, f"{self.dir / name} ended early (read {offset} bytes)")
+            view, offset = view[done:], offset + done
+
+
+def placeholder(n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A tensor of ``n`` elements with no storage behind it (its data lives in a file)."""
+    t = torch.empty(n, dtype=dtype)
+    t.untyped_storage().resize_(0)
+    return t
+
+
+class NvmeOptimizer:
+    """The step over masters kept in files: the torch optimizer built over the (storage-less)
+    masters keeps the parameter groups and hyperparameters; each chunk of each group is stepped
+    by a second instance of the same class over one chunk-sized parameter, its state read from
+    and written back to the files. Per-element optimizers only (Adam, AdamW, SGD), whose update
+    of an element depends on that element alone: chunking changes nothing.
+
+    Between steps ``optimizer.state[master]`` holds the scalar state (Adam's ``step``); the
+    per-element state is in the files, and `in_memory` brings all of it back for checkpoints.
+    """
+
+    def __init__(self, files: DiskFiles, masters: list[nn.Parameter], chunk_elems: int) -> None:
+        self.files, self.masters, self.chunk = files, masters, chunk_elems
+        self.keys: dict[str, torch.dtype] = {}   # per-element state, found by a probe step
+        self.stepped = [False] * len(masters)    # whether a group's state files hold state yet
+        self.optimizer: torch.optim.Optimizer | None = None
+        self._proxy = nn.Parameter(torch.zeros(1))
+        self._chunk_opt: torch.optim.Optimizer | None = None
+
+    def build(self, optimizer: torch.optim.Optimizer) -> None:
+        """Learn the per-element state of ``optimizer``'s class from one step on a one-element
+        parameter, and reserve its files."""
+        self.optimizer = optimizer
+        probe = nn.Parameter(torch.zeros(1))
+        probe.grad = torch.ones(1)
+        opt = type(optimizer)([probe], **_constructor_kwargs(optimizer))
+        opt.step()
+        self.keys = {k: v.dtype for k, v in opt.state[probe].items()
+                     if torch.is_tensor(v) and v.dim() > 0 and v.shape == probe.shape}
+        for gi, m in enumerate(self.masters):
+            for k, dtype in self.keys.items():
+                self.files.create(f"g{gi}.{k}", torch.zeros(m.numel(), dtype=dtype))
+        self._chunk_opt = type(optimizer)([self._proxy], **_constructor_kwargs(optimizer))
+
+    def step(self, grads: list[torch.Tensor], write_shard, traffic: OffloadTraffic, device) -> None:
+        """Step every group chunk by chunk: ``grads[i]`` (the reduced fp32-castable gradient of
+        master i, anywhere) in, ``write_shard(i, lo, fp32 values)`` called with each new chunk."""
+        opt, chunk_opt = self.optimizer, self._chunk_opt
+        jobs = [(gi, lo, min(lo + self.chunk, m.numel())) for gi, m in enumerate(self.masters)
+                for lo in range(0, m.numel(), self.chunk)]
+        reads = deque([self._read_chunk(*jobs[0], device)] if jobs else [])
+        for j, (gi, lo, hi) in enumerate(jobs):
+            if j + 1 < len(jobs):  # read ahead: the next chunk loads while this one steps
+                reads.append(self._read_chunk(*jobs[j + 1], device))
+            values = {k: f.result() for k, f in reads.popleft().items()}
+            m = self.masters[gi]
+            group = next(g for g in opt.param_groups if any(p is m for p in g["params"]))
+            chunk_opt.param_groups[0].update({k: v for k, v in group.items() if k != "params"})
+            self._proxy.data = values.pop("master")
+            grad = grads[gi][lo:hi]
+            traffic.add("to_host", grad.numel() * grad.element_size())
+            self._proxy.grad = grad.to("cpu", torch.float32, copy=True)
+            scalars = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in opt.state.get(m, {}).items()}
+            chunk_opt.state[self._proxy] = {**scalars, **values} if self.stepped[gi] else {}
+            chunk_opt.step()
+            new = chunk_opt.state.pop(self._proxy)
+            self.files.write(f"g{gi}.master", lo, self._proxy.data)
+            for k in self.keys:
+                self.files.write(f"g{gi}.{k}", lo, new[k])
+            write_shard(gi, lo, self._proxy.data)
+            if hi == m.numel():  # the group's last chunk: its scalar state is the group's
+                opt.state[m] = {k: v for k, v in new.items() if k not in self.keys}
+                self.stepped[gi] = True
+            self.files.wait_writes(keep=2 * (1 + len(self.keys)))  # writes trail by two chunks at most
+        self._proxy.data, self._proxy.grad = torch.zeros(1), None
+        self.files.wait_writes()
+
+    def _read_chunk(self, gi: int, lo: int, hi: int, device) -> dict[str, Future]:
+        names = ["master"] + (list(self.keys) if self.stepped[gi] else [])
+        return {k: self.files.read(f"g{gi}.{k}", lo, hi - lo, device) for k in names}
+
+    @contextlib.contextmanager
+    def in_memory(self, write_back: bool) -> Iterator[None]:
+        """The masters and the optimizer's per-element state as ordinary host tensors (for a
+        checkpoint, a state dict, the full parameters); with ``write_back`` what the block left
+        in them is written to the files when it ends without an exception."""
+        self.files.wait_writes()
+        opt = self.optimizer
+        for gi, m in enumerate(self.masters):
+            m.data = self.files.read(f"g{gi}.master", 0, m.numel(), torch.device("cpu")).result()
+            if opt is not None and self.stepped[gi]:
+                opt.state[m].update({k: self.files.read(f"g{gi}.{k}", 0, m.numel(), torch.device("cpu")).result()
+                                     for k in self.keys})
+        ok = False
+        try:
+            yield
+            ok = True
+        finally:
+            for gi, m in enumerate(self.masters):
+                state = opt.state.get(m, {}) if opt is not None else {}
+                if ok and write_back:
+                    self.files.write(f"g{gi}.master", 0, m.data)
+                    for k in self.keys:
+                        if k in state:
+                            self.files.write(f"g{gi}.{k}", 0, state[k])
+                    self.stepped[gi] = any(k in state for k in self.keys)
+                for k in self.keys:
+                    state.pop(k, None)
+                m.data = placeholder(m.numel())
+            if ok and write_back:
+                self.files.wait_writes()
+
+
+def _constructor_kwargs(optimizer: torch.optim.Optimizer) -> dict:
+    """``optimizer``'s defaults that its class's constructor takes (some defaults are derived)."""
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    return {k: v for k, v in optimizer.defaults.items() if k in accepted}
