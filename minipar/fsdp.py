@@ -326,7 +326,9 @@ class Zero3(ShardedState):
                 p.grad = None  # what no_sync accumulated is dropped too
 
     def spread_params(self) -> None:
-        """Full parameters are gathered from the shards at their next use: drop any gathered now."""
+        """Full parameters are gathered from the shards at their next use: drop any gathered now
+        (and any shard read ahead from disk before the step wrote new values)."""
+        self._reads.clear()
         for u in self.units:
             self.reshard(u)
 

@@ -26,8 +26,9 @@ from and written to disk) and `minipar.formulas.offload_traffic` predicts it exa
 
 The files: one per flat group and state (``g3.master``, ``g3.exp_avg``, ``g3.shard``...), under
 ``path/minipar-offload-rank00005``, created at full size when the model is wrapped (a full disk
-fails then, on every rank, with the space needed, before training starts) and overwritten in
-place afterwards. A write that fails during a step (the disk died, or filled under a file that
+fails then, on every rank, with the space needed, before training starts), overwritten in place
+afterwards, and removed with the model (they are scratch space: checkpoints are the durable copy,
+and `minipar.checkpoint` saves and loads offloaded state like any other). A write that fails during a step (the disk died, or filled under a file that
 grows) surfaces at the end of that step on every rank as `OffloadError`; the files of earlier
 steps and every checkpoint saved before stay as they were. Offloading changes no arithmetic: the
 chunked step runs the same torch optimizer on each chunk, so in fp32 a run is bitwise equal to
@@ -43,8 +44,9 @@ import inspect
 import math
 import os
 import shutil
+import weakref
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -172,6 +174,8 @@ class DiskFiles:
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="minipar-offload-write")
         self._writes: deque[tuple[str, Future]] = deque()
         self.dir.mkdir(exist_ok=True)
+        # The files are scratch space (checkpoints are the durable copy): gone with the model.
+        self._finalizer = weakref.finalize(self, _remove_files, self.dir, self._files)
 
     def create(self, name: str, values: torch.Tensor) -> None:
         """A file holding ``values`` (flat), its whole size reserved now: a full disk fails here."""
@@ -200,8 +204,7 @@ class DiskFiles:
         out = host_empty(n, dtype, device)
 
         def job() -> torch.Tensor:
-            for f in waits:
-                f.result()
+            wait(waits)  # (a failed write is reported by wait_writes, not by the reads after it)
             self._read_now(name, lo, out)
             return out
         return self._reader.submit(job)
@@ -231,16 +234,11 @@ class DiskFiles:
         self._writes.clear()
 
     def close(self) -> None:
+        """Stop the threads and remove this rank's files and folder (nothing else under the path)."""
         self.abandon()
         self._reader.shutdown(wait=True)
         self._writer.shutdown(wait=True)
-        for name, (fd, _, _) in self._files.items():
-            os.close(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(self.dir / name)
-        self._files.clear()
-        with contextlib.suppress(OSError):
-            self.dir.rmdir()
+        self._finalizer()
 
     def _write_now(self, name: str, lo: int, values: torch.Tensor) -> None:
         fd, dtype, numel = self._files[name]
@@ -260,6 +258,17 @@ class DiskFiles:
             if done <= 0:
                 raise OSError(errno.EIO, f"{self.dir / name} ended early (read {offset} bytes)")
             view, offset = view[done:], offset + done
+
+
+def _remove_files(folder: Path, files: dict) -> None:
+    for name, (fd, _, _) in list(files.items()):
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(folder / name)
+    files.clear()
+    with contextlib.suppress(OSError):
+        folder.rmdir()
 
 
 def placeholder(n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -313,7 +322,7 @@ class NvmeOptimizer:
         for j, (gi, lo, hi) in enumerate(jobs):
             if j + 1 < len(jobs):  # read ahead: the next chunk loads while this one steps
                 reads.append(self._read_chunk(*jobs[j + 1], device))
-            values = {k: f.result() for k, f in reads.popleft().items()}
+            values = {k: _landed(f, self.files, k) for k, f in reads.popleft().items()}
             m = self.masters[gi]
             group = next(g for g in opt.param_groups if any(p is m for p in g["params"]))
             chunk_opt.param_groups[0].update({k: v for k, v in group.items() if k != "params"})
@@ -370,6 +379,16 @@ class NvmeOptimizer:
                 m.data = placeholder(m.numel())
             if ok and write_back:
                 self.files.wait_writes()
+
+
+def _landed(read: Future, files: DiskFiles, what: str) -> torch.Tensor:
+    """A read's buffer; a failed write before it (reported first) or the read itself: OffloadError."""
+    try:
+        return read.result()
+    except OSError as e:
+        files.wait_writes()
+        files.abandon()
+        raise OffloadError(f"reading the offloaded {what} from {files.dir} failed: {e}") from e
 
 
 def _constructor_kwargs(optimizer: torch.optim.Optimizer) -> dict:

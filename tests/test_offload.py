@@ -131,3 +131,202 @@ def test_offload_formulas_at_scale():
     assert full["disk"] == none["params"] + none["optimizer"] - 4 * len(F.flat_groups(ps, dp))
     cpu = F.offload_state_bytes(ps, dp, "cpu", None)
     assert cpu["host"] == none["optimizer"] and cpu["params"] == none["params"]
+
+
+# -- checkpoints -------------------------------------------------------------------------------
+
+
+def _resume(ctx, ckpt, opt_where, params_where, root, steps):
+    """A fresh zero3 model (offloaded as given), the checkpoint loaded, then ``steps`` more steps on
+    the data a run of save_step + steps steps would have seen after the save."""
+    mesh = Mesh()
+    off = None
+    if opt_where is not None:
+        path = Path(root) / f"resume-{opt_where}-{params_where}"
+        path.mkdir(exist_ok=True)
+        off = Offload(optimizer=opt_where, params=params_where, path=path if "nvme" in (opt_where, params_where)
+                      else None, chunk_mb=CHUNK * 4 / 2**20)
+    model = ShardedModule(GPT(GPTConfig(**{**CFG, "seed": 99})), mesh=mesh, strategy="zero3", offload=off)
+    opt = model.build_optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD, eps=EPS)
+    checkpoint.load(ckpt, model, opt)
+    loaded = {k: v.clone() for k, v in model.full_state_dict().items()}
+    data = batches(7, 2 + steps, 2, mesh.dp, 2, 7, CFG["vocab_size"])
+    rows = slice(2 * mesh.dp_rank, 2 * mesh.dp_rank + 2)
+    for s in range(2, 2 + steps):
+        for a in range(2):
+            x = data[s, a, rows]
+            with (model.no_sync() if a == 0 else torch.enable_grad()):
+                model.train_step(x[:, :-1], x[:, 1:], lambda o, y: gpt_loss(o, y) / 2)
+        model.clip_grad_norm_(MAX_NORM)
+        opt.step()
+        opt.zero_grad()
+    out = dict(loaded=loaded, params={k: v.clone() for k, v in model.full_state_dict().items()})
+    mesh.destroy()
+    return out
+
+
+def test_checkpoints_save_and_load_offloaded_state(pools, tmp_path):
+    """A zero3 run with everything in files saves a checkpoint after 2 of 4 steps. Loaded into a
+    fresh offloaded model (other files) and into one without offload, each continues to the very
+    parameters the uninterrupted run reached (so the moments and step counters came back too)."""
+    ckpt = tmp_path / "ckpt"
+    full = pools.run(2, _train, "zero3", "fp32", "nvme", "nvme", str(tmp_path), 4, 2, CHUNK, (str(ckpt), 2))
+    for where in [("nvme", "nvme"), (None, None)]:
+        resumed = pools.run(2, _resume, str(ckpt), *where, str(tmp_path), 2)
+        for a, b in zip(full, resumed):
+            for k in a["params"]:
+                assert torch.equal(a["params"][k], b["params"][k]), (where, k)
+        assert any(not torch.equal(resumed[0]["loaded"][k], full[0]["params"][k]) for k in full[0]["params"])
+
+
+# -- disks that fail ---------------------------------------------------------------------------
+
+
+def _setup_on_a_full_disk(ctx, root):
+    """Rank 1's disk cannot hold its files: every rank must raise, rank 1's files must be gone."""
+    (Path(root) / "keep.txt").write_text("saved before") if ctx.rank == 0 else None
+    mesh = Mesh()
+    real = os.posix_fallocate
+
+    def full(fd, offset, n):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    if ctx.rank == 1:
+        offload_module.os.posix_fallocate = full
+    try:
+        ShardedModule(GPT(GPTConfig(**CFG)), mesh=mesh, strategy="zero3",
+                      offload=Offload(optimizer="nvme", params="nvme", path=root))
+        error = None
+    except ValueError as e:
+        error = str(e)
+    finally:
+        offload_module.os.posix_fallocate = real
+    mesh.destroy()
+    return error
+
+
+def test_a_full_disk_at_setup_fails_on_every_rank_and_leaves_nothing_behind(pools, tmp_path):
+    errors = pools.run(2, _setup_on_a_full_disk, str(tmp_path))
+    for e in errors:
+        assert e is not None and "rank 1" in e and "No space left on device" in e and "free space" in e, e
+    assert not (tmp_path / "minipar-offload-rank00001").exists()  # what rank 1 began is removed
+    assert (tmp_path / "keep.txt").read_text() == "saved before"  # what was there is untouched
+
+
+def _step_on_a_full_disk(ctx, root, ckpt):
+    """Save a checkpoint after one step, then make rank 1's writes fail in the next step."""
+    mesh = Mesh()
+    path = Path(root) / "run"
+    path.mkdir(exist_ok=True)
+    model = ShardedModule(GPT(GPTConfig(**CFG)), mesh=mesh, strategy="zero2",
+                          offload=Offload(optimizer="nvme", path=path, chunk_mb=CHUNK * 4 / 2**20))
+    opt = model.build_optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD, eps=EPS)
+    x = batches(1, 2, 1, mesh.dp, 2, 7, CFG["vocab_size"])[:, 0, 2 * mesh.dp_rank:2 * mesh.dp_rank + 2]
+    model.train_step(x[0, :, :-1], x[0, :, 1:], gpt_loss)
+    opt.step()
+    opt.zero_grad()
+    checkpoint.save(ckpt, model, opt)
+    saved = {k: v.clone() for k, v in model.full_state_dict().items()}
+    real = offload_module._pwrite
+
+    def full(fd, data, offset):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    if ctx.rank == 1:
+        offload_module._pwrite = full
+    error = None
+    try:
+        model.train_step(x[1, :, :-1], x[1, :, 1:], gpt_loss)
+        opt.step()
+    except OffloadError as e:
+        error = str(e)
+    finally:
+        offload_module._pwrite = real
+    mesh.destroy()
+    return error, saved
+
+
+def test_a_disk_that_fills_during_a_step_fails_on_every_rank_and_the_checkpoint_survives(pools, tmp_path):
+    """OffloadError on every rank (naming rank 1 and the file), at the end of the step, not a hang;
+    the checkpoint saved before loads into a fresh run with the parameters it had."""
+    ckpt = tmp_path / "ckpt"
+    out = pools.run(2, _step_on_a_full_disk, str(tmp_path), str(ckpt))
+    for error, _ in out:
+        assert error is not None and "rank 1" in error and "No space left on device" in error and ".master" in error
+        assert "load the last checkpoint" in error
+    resumed = pools.run(2, _resume, str(ckpt), None, None, str(tmp_path), 0)
+    for (_, saved), r in zip(out, resumed):
+        for k in saved:
+            assert torch.equal(saved[k], r["loaded"][k]), k
+
+
+def _path_check_differs(ctx, root):
+    """Rank 1 cannot write the path (os.access says so), rank 0 can: both must raise."""
+    mesh = Mesh()
+    real = offload_module.os.access
+    if ctx.rank == 1:
+        offload_module.os.access = lambda p, mode: False
+    try:
+        ShardedModule(GPT(GPTConfig(**CFG)), mesh=mesh, strategy="zero2",
+                      offload=Offload(optimizer="nvme", path=root))
+        error = None
+    except ValueError as e:
+        error = str(e)
+    finally:
+        offload_module.os.access = real
+    mesh.destroy()
+    return error
+
+
+def test_a_path_one_rank_cannot_write_fails_on_every_rank(pools, tmp_path):
+    for e in pools.run(2, _path_check_differs, str(tmp_path)):
+        assert e is not None and "rank 1" in e and "not writable" in e and "rank 0" not in e, e
+
+
+def test_offload_options_are_checked():
+    d = os.getcwd()
+    for bad, match in [(dict(params="cpu"), "needs optimizer='cpu' or 'nvme'"),
+                       (dict(optimizer="nvme"), "needs path="),
+                       (dict(optimizer="cpu", path=d), "used only by 'nvme'"),
+                       (dict(optimizer="disk"), "choose None, 'cpu' or 'nvme'"),
+                       (dict(optimizer="cpu", chunk_mb=0), "chunk_mb")]:
+        with pytest.raises(ValueError, match=match):
+            Offload(**bad)
+    from minipar import DataParallelConfig
+    with pytest.raises(ValueError, match="offloads zero3's parameter shards"):
+        DataParallelConfig("zero2", offload=Offload(optimizer="cpu", params="cpu"))
+    with pytest.raises(ValueError, match="not both"):
+        DataParallelConfig("zero3", cpu_offload=True, offload=Offload(optimizer="cpu"))
+    with pytest.raises(ValueError, match="apply to the sharded strategies"):
+        DataParallelConfig("ddp", offload=Offload(optimizer="cpu"))
+    assert DataParallelConfig("zero1", cpu_offload=True).offload == Offload(optimizer="cpu")
+    assert "does not exist" in check_path(Offload(optimizer="nvme", path=os.path.join(d, "no-such-dir")))
+    assert "not a directory" in check_path(Offload(optimizer="nvme", path=__file__))
+    assert check_path(Offload(optimizer="nvme", path=d)) is None
+
+
+def _chunk_sizes(ctx, root):
+    """One nvme step's disk reads and writes, each at most a chunk; writes in flight stay few."""
+    mesh = Mesh()
+    model = ShardedModule(GPT(GPTConfig(**CFG)), mesh=mesh, strategy="zero2", bucket_cap_mb=1.0,
+                          offload=Offload(optimizer="nvme", path=root, chunk_mb=CHUNK * 4 / 2**20))
+    opt = model.build_optimizer(torch.optim.AdamW, lr=LR)
+    files = model.strategy.files
+    sizes, in_flight = [], []
+    read, write = files.read, files.write
+    files.read = lambda name, lo, n, device: sizes.append(n) or read(name, lo, n, device)
+    files.write = lambda name, lo, v: (sizes.append(v.numel()), write(name, lo, v), in_flight.append(len(files._writes)))
+    x = batches(1, 2, 1, mesh.dp, 2, 7, CFG["vocab_size"])[:, 0, 2 * mesh.dp_rank:2 * mesh.dp_rank + 2]
+    for s in range(2):  # the second step reads the moments too
+        model.train_step(x[s, :, :-1], x[s, :, 1:], gpt_loss)
+        opt.step()
+        opt.zero_grad()
+    real = model.strategy.groups[0].layout.real_len
+    mesh.destroy()
+    return sizes, max(in_flight), real
+
+
+def test_the_nvme_step_holds_a_few_chunks_at_a_time(pools, tmp_path):
+    """With one big group (1 MiB buckets: the whole model, ~1,700 elements a rank), every read and
+    write of the step is at most a chunk and at most 3 chunks' writes (master + 2 moments) wait."""
+    for sizes, in_flight, real in pools.run(2, _chunk_sizes, str(tmp_path)):
+        assert real > 10 * CHUNK and max(sizes) == CHUNK and len(sizes) > 40, (real, sizes)
+        assert in_flight <= 3 * 3, in_flight
