@@ -244,3 +244,21 @@ def test_ps_vs_ddp_runs_and_reports_the_busiest_rank(tmp_path):
     assert abs(rows["ddp"]["busiest_through"] - 4 * 2 / 3 * phi) <= 0.02 * phi * 4
     assert rows["ps sync"]["busiest_rank"] == 0  # the server
     assert abs(rows["ps sync"]["busiest_through"] - 2 * 2 * phi) <= 0.02 * 4 * phi
+
+
+def test_offload_benchmark_runs_every_level(tmp_path):
+    """benchmarks/offload.py on 2 ranks, a small GPT: every level is reported; each level keeps less
+    on the device than the one before it; opt=nvme keeps on disk what opt=cpu keeps in host memory
+    (less the step counters, which stay in memory) and reads and writes all of it every step."""
+    result = tmp_path / "offload.json"
+    out = _torchrun("offload.py", "--steps", "2", "--warmup", "1", "--n-layer", "2", "--n-embd", "32", "--vocab",
+                    "128", "--seq", "16", "--batch", "2", "--path", str(tmp_path / "nvme"), "--chunk-mb", "0.01",
+                    "--json", str(result))
+    rows = {r["level"]: r for r in json.loads(result.read_text())["rows"]}
+    assert list(rows) == ["none", "opt=cpu", "opt=nvme", "opt=cpu,par=cpu", "opt=nvme,par=nvme"] and "vs none" in out
+    assert rows["none"]["host"] == rows["none"]["disk"] == 0 and rows["none"]["vs_none"] == 1.0
+    assert rows["none"]["device"] > rows["opt=cpu"]["device"] > rows["opt=cpu,par=cpu"]["device"] > 0
+    assert 0 < rows["opt=cpu"]["host"] - rows["opt=nvme"]["disk"] < 1024  # the 4-byte step counters
+    nvme = rows["opt=nvme"]
+    assert nvme["moved"]["disk_read"] == nvme["moved"]["disk_write"] == nvme["disk"]
+    assert rows["opt=nvme,par=nvme"]["disk"] > nvme["disk"] and rows["opt=nvme,par=nvme"]["host"] < 1024
