@@ -193,7 +193,8 @@ class ShardedModule(nn.Module):
                                       "tensor_parallel": tp_config, "pipeline": pp_config,
                                       "activation_checkpointing": activation_checkpointing,
                                       "context_parallel": context_parallel})
-        agree_offload(mesh, "the offload path check", offload_path_error)
+        if dp_config.offload is not None and dp_config.offload.nvme:  # (the same on every rank: agreed above)
+            agree_offload(mesh, "the offload path check", offload_path_error)
         broadcast_initial_state(module, mesh)
         if runner is not None:
             runner.connect()

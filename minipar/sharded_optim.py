@@ -293,7 +293,8 @@ class ShardedState(Strategy):
             error = f"offloading to {off.path}: {e}; free space there or offload to 'cpu'"
         if error is not None and self.files is not None:
             self.files.close()  # removes only the files it made; nothing else under path is touched
-        agree(self.mesh, "Offload(...) setup", error)
+        if off.nvme:  # a disk can fail on one rank: all raise together (the same branch on every rank)
+            agree(self.mesh, "Offload(...) setup", error)
         if off.optimizer == "nvme":
             self.nvme = NvmeOptimizer(self.files, [g.master for g in self.groups], off.chunk_elems)
 

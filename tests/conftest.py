@@ -7,9 +7,13 @@ Profiles (choose with HYPOTHESIS_PROFILE=<name>; CI uses "ci"):
   long  -- hundreds of examples per test, for a soak before a release.
 Every profile prints the ``@reproduce_failure`` blob of a failing example, so a
 failure seen anywhere can be replayed exactly.
+
+`ci_examples(n)` lowers the ci profile's count for one heavy property whose explicit ``@example``s
+already put every awkward case into every run; the other profiles (``long`` too) keep theirs.
 """
 
 import os
+import threading
 
 import pytest
 import torch
@@ -26,7 +30,18 @@ settings.register_profile("long", max_examples=300, **_common)
 # (kernel_testing.run_interpreted) draw 4 derandomized examples per property; `long` still draws 300.
 settings.register_profile("ci_interpreted", max_examples=4, derandomize=True, database=None, **_common)
 _profile = os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev")
-settings.load_profile("ci_interpreted" if _profile == "ci" and os.environ.get("TRITON_INTERPRET") == "1" else _profile)
+_loaded = "ci_interpreted" if _profile == "ci" and os.environ.get("TRITON_INTERPRET") == "1" else _profile
+settings.load_profile(_loaded)
+
+
+def ci_examples(n: int):
+    """``@ci_examples(n)`` on a property: under the ci profile it draws ``n`` examples after its
+    explicit ``@example``s (which always all run) instead of the profile's 10. Only for properties
+    whose explicit examples cover the awkward cases and every pair of options; every other profile
+    (dev, long, ci_interpreted) leaves the property its own count."""
+    if _loaded != "ci":
+        return lambda test: test
+    return settings(max_examples=n)
 
 
 # The ranks run one thread each; the reference in this process does the same.
@@ -38,4 +53,11 @@ def pools():
     """``pools.run(world_size, fn, *args)`` -> every rank's ``fn(ctx, *args)``; pools live for the session."""
     ps = PoolSet()
     yield ps
+    # Every pool at once: each close waits up to a few seconds for its ranks to leave their process
+    # group and exit (longer on a loaded machine), so closing them one after another adds those up.
+    closers = [threading.Thread(target=pool.close) for pool in ps._pools.values()]
+    for t in closers:
+        t.start()
+    for t in closers:
+        t.join()
     ps.close()
