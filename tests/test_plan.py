@@ -320,14 +320,23 @@ def test_planner_state_is_the_closed_form(strategy, per_param):
         assert memory[what] == pytest.approx(b * 8_030_261_248, rel=1e-6), what
 
 
-def test_explain_shows_the_arithmetic_and_refusals_say_why():
-    explained = _cli("--model", "gpt2-124m", "--gpus", "8", "--global-batch", "64", "--explain",
-                     "tp2.pp2.dp2.zero1.mbs2.rc")
-    assert explained.returncode == 0, explained.stderr
+def _main(capsys, *args) -> tuple[int, str]:
+    """The CLI's ``main`` with ``args`` in this process: (exit status, stdout). The json test above
+    runs the real ``python -m minipar.plan``; here a new interpreter per call would only add startup."""
+    from minipar.plan.__main__ import main
+    capsys.readouterr()
+    status = main(list(args))
+    return status, capsys.readouterr().out
+
+
+def test_explain_shows_the_arithmetic_and_refusals_say_why(capsys):
+    status, explained = _main(capsys, "--model", "gpt2-124m", "--gpus", "8", "--global-batch", "64", "--explain",
+                              "tp2.pp2.dp2.zero1.mbs2.rc")
+    assert status == 0, explained
     for needle in ("state_bytes", "bubble = compute · (pp - 1) / m", "on the wire", "step ="):
-        assert needle in explained.stdout, explained.stdout
-    bad = _cli("--model", "gpt2-124m", "--gpus", "8", "--explain", "tp3.pp1.dp2.zero1")  # 6 GPUs, not 8
-    assert "not a layout" in bad.stdout and "not the cluster's 8 GPUs" in bad.stdout, bad.stdout
-    nothing = _cli("--layers", "4", "--hidden", "4096", "--heads", "32", "--ffn", "14336", "--vocab", "128256",
-                   "--seq", "4096", "--gpus", "8", "--memory-gb", "1", "--global-batch", "8")
-    assert nothing.returncode == 1 and "nothing fits" in nothing.stdout and "GiB per GPU" in nothing.stdout, nothing.stdout
+        assert needle in explained, explained
+    _, bad = _main(capsys, "--model", "gpt2-124m", "--gpus", "8", "--explain", "tp3.pp1.dp2.zero1")  # 6 GPUs, not 8
+    assert "not a layout" in bad and "not the cluster's 8 GPUs" in bad, bad
+    status, nothing = _main(capsys, "--layers", "4", "--hidden", "4096", "--heads", "32", "--ffn", "14336", "--vocab",
+                            "128256", "--seq", "4096", "--gpus", "8", "--memory-gb", "1", "--global-batch", "8")
+    assert status == 1 and "nothing fits" in nothing and "GiB per GPU" in nothing, nothing
