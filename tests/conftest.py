@@ -53,8 +53,12 @@ def pools():
     """``pools.run(world_size, fn, *args)`` -> every rank's ``fn(ctx, *args)``; pools live for the session."""
     ps = PoolSet()
     yield ps
-    # Every pool at once: each close waits up to a few seconds for its ranks to leave their process
-    # group and exit (longer on a loaded machine), so closing them one after another adds those up.
+    close_all(ps)
+
+
+def close_all(ps: PoolSet) -> None:
+    """Close every pool of ``ps`` at once: each close waits up to a few seconds for its ranks to leave
+    their process group and exit (longer on a loaded machine), so closing them in turn adds those up."""
     closers = [threading.Thread(target=pool.close) for pool in ps._pools.values()]
     for t in closers:
         t.start()

@@ -25,8 +25,9 @@ from hypothesis import example, given, settings, strategies as st
 
 from minipar import Mesh, MixedPrecision, ShardedModule, checkpoint
 from minipar.models import GPT, GPTConfig, MoEGPT, MoEGPTConfig, gpt_loss
-from minipar.testing import RankError, RankPool
+from minipar.testing import PoolSet, RankError
 
+from conftest import close_all
 from helpers import EPS, LR, WD, train_rows
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -107,21 +108,31 @@ RESUME_LAYOUTS = [
 ]
 
 
+@pytest.fixture(scope="module")
+def resume_pools(pools):
+    """Rank processes for the resumes, one pool per world size for this module, apart from the
+    session's pools: no layout's training or save ever runs in them. (A pool per layout would start
+    28 processes instead of 14 for the same proof: what a resume needs and the checkpoint forgot, an
+    RNG stream, a moment, a step count, the loss scale, is not in these processes either way: an
+    earlier layout's resume here leaves other values, which fail the bitwise comparison just as a
+    new process's defaults do.)"""
+    ps = PoolSet(pools.backend, pools.timeout)
+    yield ps
+    close_all(ps)
+
+
 @pytest.mark.parametrize("world, layout, strategy, precision", RESUME_LAYOUTS,
                          ids=[f"{s}-w{w}-{'x'.join(f'{k}{v}' for k, v in l.items()) or 'dp'}{'-fp16' if p else ''}"
                               for w, l, s, p in RESUME_LAYOUTS])
-def test_resume_in_new_processes_is_bitwise(pools, tmp_path, world, layout, strategy, precision):
-    """3 steps, save, *new processes*, load, 3 steps == 6 uninterrupted steps, bit for bit: losses,
-    gradient norms and every parameter (so also the optimizer moments, step counts, the fp16 loss
-    scale and every rank's dropout streams, which all feed those)."""
+def test_resume_in_new_processes_is_bitwise(pools, resume_pools, tmp_path, world, layout, strategy, precision):
+    """3 steps, save, *new processes* (that never ran this training), load, 3 steps == 6
+    uninterrupted steps, bit for bit: losses, gradient norms and every parameter (so also the
+    optimizer moments, step counts, the fp16 loss scale and every rank's dropout streams, which all
+    feed those)."""
     cfg, path = (_moe_cfg() if layout.get("ep", 1) > 1 else _cfg()), tmp_path / "ckpt"
     data = _data(7, 4)
     runs = pools.run(world, _uninterrupted_and_save, layout, strategy, cfg, precision, data, path)
-    fresh = RankPool(world, pools.backend_for(world), pools.timeout)  # processes that never trained
-    try:
-        resumed = fresh.run(_resume, layout, strategy, cfg, precision, data, path)
-    finally:
-        fresh.close()
+    resumed = resume_pools.run(world, _resume, layout, strategy, cfg, precision, data, path)
     for rank, ((full_losses, full_norms, full_state), _), (extra, losses, norms, state) in \
             zip(range(world), runs, resumed):
         assert extra == {"step": 3, "rank": rank}  # each rank's own extra_state
