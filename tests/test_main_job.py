@@ -1,10 +1,12 @@
 """The README's main job runs, passes its own reference check and writes its trace."""
 
+import importlib.util
 import json
 import pathlib
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from minipar.formulas import ring_bytes
@@ -45,31 +47,36 @@ def test_gpt_tp_pp_main_job(tmp_path):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_main_job_without_a_pipeline(tmp_path):
-    """--pp 1 (dp=2 x tp=2): no schedule, so no bubble and no timeline, and the job says so."""
-    out = _main_job(tmp_path, "--pp", "1", "--steps", "3")
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "| busy fractions, bubble | n/a: pp=1, no pipeline |" in out.stdout
-    assert "timeline: none written (pp=1" in out.stdout and not (tmp_path / "trace.json").exists()
-    assert json.loads((tmp_path / "gpt_tp_pp.json").read_text())["reference_max_diff"] <= 1e-4
+def test_main_job_without_a_pipeline_with_ring_context_parallelism(tmp_path, monkeypatch, capsys):
+    """--pp 1 --cp 2 (ring) as dp=2 x cp=2. Without a pipeline there is no schedule, so no bubble and
+    no timeline, and the job says so. Each pair of cp ranks is given the same sequences and splits
+    them zig-zag; the losses still equal the one-process replay of the two replicas' batches, and the
+    K/V blocks each rank sends per step are ring_bytes' count for every layer. A sequence the zig-zag
+    chunks do not divide is refused by the job's argument check, before any process group starts,
+    with the fix in the message.
 
-
-def test_main_job_with_ring_context_parallelism(tmp_path):
-    """--cp 2 (ring) as dp=2 x cp=2: each pair of cp ranks is given the same sequences and splits them
-    zig-zag; the losses still equal the one-process replay of the two replicas' batches, and the K/V
-    blocks each rank sends per step are ring_bytes' count for every layer. A sequence the zig-zag
-    chunks do not divide is refused before any process group starts, with the fix in the message."""
+    (One job for both: the job's pp=1 path is the same whatever splits the other ranks. Its run as
+    dp=2 x tp=2 added only the tensor-parallel layout, which test_tensor_parallel's dp=2 x tp=2 tests
+    prove equal to one process for every strategy, and which the README job above runs with tp=2.)"""
     out = _main_job(tmp_path, "--tp", "1", "--pp", "1", "--cp", "2", "--steps", "3")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "dp=2 tp=1 pp=1 cp=2 (ring)" in out.stdout and ": ok |" in out.stdout
+    assert "| busy fractions, bubble | n/a: pp=1, no pipeline |" in out.stdout
+    assert "timeline: none written (pp=1" in out.stdout and not (tmp_path / "trace.json").exists()
     result = json.loads((tmp_path / "gpt_tp_pp.json").read_text())
     assert result["reference_max_diff"] <= 1e-4
     a = result["args"]
     ring = ring_bytes(a["batch"], a["n_head"], a["seq"], a["n_embd"] // a["n_head"], 2, torch.float32)
     assert result["comm"]["send/cp"]["bytes"] == a["n_layer"] * (ring["forward"] + ring["backward"])
-    refused = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpt_tp_pp.py"), "--cp", "2", "--seq", "66"],
-                             capture_output=True, text=True, timeout=120)
-    assert refused.returncode == 2 and "--seq 66 must be a multiple of 4" in refused.stderr, refused.stderr
+    # The job's own argument check, in this process (a new interpreter would only add torch's import).
+    spec = importlib.util.spec_from_file_location("gpt_tp_pp_job", ROOT / "benchmarks" / "gpt_tp_pp.py")
+    job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job)
+    monkeypatch.setattr(sys, "argv", ["gpt_tp_pp.py", "--cp", "2", "--seq", "66"])
+    with pytest.raises(SystemExit) as refused:
+        job.parse_args()
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and "--seq 66 must be a multiple of 4" in err, err
 
 
 def test_main_job_in_bf16_and_its_bubble_check(tmp_path):
