@@ -13,6 +13,7 @@ already put every awkward case into every run; the other profiles (``long`` too)
 """
 
 import os
+import sys
 import threading
 
 import pytest
@@ -46,6 +47,15 @@ def ci_examples(n: int):
 
 # The ranks run one thread each; the reference in this process does the same.
 torch.set_num_threads(1)
+
+
+def pytest_collection_finish(session):
+    """Tell kernel_testing which kernel modules' interpreted tests this session runs, so that one
+    TRITON_INTERPRET=1 child pytest runs them all (kernel_testing is imported by then if any is)."""
+    kernel_testing = sys.modules.get("kernel_testing")
+    if kernel_testing is not None:
+        kernel_testing.SESSION_FILES[:] = sorted(
+            {str(item.path) for item in session.items if item.name == "test_triton_kernels_under_interpreter"})
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,11 @@ Triton tests ``interpreted`` and has one parent test,
 with ``TRITON_INTERPRET=1`` set before anything imports triton. In the parent
 the marked tests are skipped with that reason; the child must pass them all,
 skip none, and each asserts that a Triton kernel really launched, so a silent
-fall-back to PyTorch fails.
+fall-back to PyTorch fails. One child pytest runs every kernel module whose
+parent test the session selected (conftest's ``pytest_collection_finish`` lists
+them in `SESSION_FILES`), once: a child per module paid its interpreter, torch,
+triton and collection start-up (~4 CPU-s) seven times. Each parent test still
+judges its own module's tests, from the child's JUnit report.
 
 bf16 is judged against an fp32 reference (`lowp_ok`): the kernel's error may be
 at most PyTorch's own bf16 error on the same input, or one rounding of the
@@ -17,9 +21,11 @@ exact result to bf16 where PyTorch is luckier, plus a small absolute term.
 from __future__ import annotations
 
 import os
-import re
+import pathlib
 import subprocess
 import sys
+import tempfile
+from xml.etree import ElementTree
 
 import pytest
 import torch
@@ -31,18 +37,51 @@ interpreted = pytest.mark.skipif(not INTERPRETING, reason="runs in this module's
                                                           "(test_triton_kernels_under_interpreter)")
 
 
+# The kernel test modules whose parent test this session runs (conftest.pytest_collection_finish).
+SESSION_FILES: list[str] = []
+# module stem -> [(test name, "passed" | "failed" | "skipped", message)] of the child runs so far
+_OUTCOMES: dict[str, list[tuple[str, str, str]]] = {}
+_REPORTS: dict[str, str] = {}  # module stem -> the tail of the output of the child run that ran it
+
+
 def run_interpreted(test_file: str) -> None:
-    """Run ``test_file``'s tests in a child pytest with TRITON_INTERPRET=1; all must pass, none skip."""
+    """``test_file``'s tests, run in a child pytest with TRITON_INTERPRET=1 (one child for every
+    kernel module of the session, started by the first parent test): all pass, none skip."""
     if INTERPRETING:
         pytest.skip("this is the child process already")
+    stem = pathlib.Path(test_file).stem
+    if stem not in _REPORTS:
+        _run_child(sorted({test_file, *(f for f in SESSION_FILES if pathlib.Path(f).stem not in _REPORTS)}))
+    mine, report = _OUTCOMES.get(stem, []), _REPORTS[stem]
+    bad = [f"{outcome.upper()} {name}: {message}" for name, outcome, message in mine if outcome != "passed"]
+    assert mine and not bad, "\n".join(bad) + "\n" + report
+
+
+def _run_child(files: list[str]) -> None:
+    """One child pytest over ``files``; records each module's outcomes from its JUnit XML report."""
     env = dict(os.environ, TRITON_INTERPRET="1")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file,
-           "-k", "not test_triton_kernels_under_interpreter"]
-    child = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    report = child.stdout[-12000:] + child.stderr[-4000:]
-    assert child.returncode == 0, report
-    summary = child.stdout.strip().splitlines()[-1]
-    assert re.search(r"\d+ passed", summary) and "skipped" not in summary and "failed" not in summary, report
+    with tempfile.TemporaryDirectory() as tmp:
+        xml = pathlib.Path(tmp) / "interpreted.xml"
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files,
+               "-k", "not test_triton_kernels_under_interpreter", f"--junitxml={xml}"]
+        child = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900 * len(files))
+        cases = ElementTree.parse(xml).getroot().iter("testcase") if xml.exists() else []
+        stems = {pathlib.Path(f).stem for f in files}
+        for stem in stems:
+            _OUTCOMES[stem] = []
+        for case in cases:
+            stem = next((part for part in case.get("classname", "").split(".") if part in stems), None)
+            if stem is None:
+                continue
+            verdict = next((el for el in case if el.tag in ("failure", "error", "skipped")), None)
+            outcome = "passed" if verdict is None else "skipped" if verdict.tag == "skipped" else "failed"
+            message = "" if verdict is None else (verdict.get("message") or "")[:2000]
+            _OUTCOMES[stem].append((case.get("name"), outcome, message))
+    report = f"child pytest exited {child.returncode}:\n" + child.stdout[-12000:] + child.stderr[-4000:]
+    for stem in stems:
+        _REPORTS[stem] = report
+        if child.returncode not in (0, 1):  # interrupted, internal error, usage error: trust no outcome
+            _OUTCOMES[stem].append(("<child run>", "failed", f"exit status {child.returncode}"))
 
 
 class launched:
