@@ -30,6 +30,7 @@ from minipar import Mesh, MixedPrecision, ShardedModule
 from minipar import formulas
 from minipar.models import GPT, Block, GPTConfig, gpt_loss
 
+from conftest import ci_examples
 from helpers import EPS, LR, WD, accumulated_step, batches
 
 PRECISIONS = {
@@ -175,6 +176,7 @@ _BASE = dict(cfg=dict(vocab_size=13, block_size=3, n_layer=2, n_head=1, n_embd=4
 
 # The examples run for every stage, so each stage meets every precision whatever hypothesis draws.
 @pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
+@ci_examples(3)
 @given(case=zero_cases())
 @example(case={**_BASE, "world": 3, "precision": "fp32"})
 @example(case={**_BASE, "world": 4, "precision": "bf16", "norm_type": math.inf})
@@ -185,6 +187,14 @@ _BASE = dict(cfg=dict(vocab_size=13, block_size=3, n_layer=2, n_head=1, n_embd=4
 # Two synchronising backwards before zero_grad: the second adds onto the reduced shards.
 @example(case={**_BASE, "world": 3, "precision": "fp32", "sync_all": True})
 @example(case={**_BASE, "world": 2, "precision": "bf16_bf16", "sync_all": True, "norm_type": 1.0})
+# The shapes the examples above hold fixed: one layer of two heads without biases, an untied head, 3
+# rows a rank of 6 tokens, one backward a step, the block-class wrap; and one process.
+@example(case={**_BASE, "world": 4, "precision": "fp32", "local_bs": 3, "accum": 1, "seq": 6, "norm_type": 1.0,
+               "wrap": "block_class", "data_seed": 2, "cfg": dict(vocab_size=61, block_size=6, n_layer=1, n_head=2,
+                                                                 n_embd=16, bias=False, tie_weights=False, seed=7)})
+@example(case={**_BASE, "world": 1, "precision": "bf16", "local_bs": 2, "seq": 1, "sync_all": True,
+               "norm_type": math.inf, "wrap": "size", "cfg": dict(vocab_size=5, block_size=1, n_layer=1, n_head=2,
+                                                                 n_embd=8, bias=False, tie_weights=True, seed=9)})
 def test_zero_equals_single_process(pools, strategy, case):
     """Three AdamW steps with clipping that fires: losses, gradient norms (types 1, 2, inf), gradients
     and parameters equal the reference (fp32 at fp32 tolerance; bf16 compute, with fp32 or bf16
