@@ -29,6 +29,7 @@ from minipar.full_state import full_tensors
 from minipar.pipeline.stage import GPTStage, balanced_boundaries, default_boundaries, resolve_boundaries, \
     stage_params
 
+from conftest import ci_examples
 from helpers import EPS, LR, WD, accumulated_step
 from test_zero import PRECISIONS, _train_reference
 
@@ -233,6 +234,8 @@ def _train_pp(ctx, layout: dict, cfg: dict, data: torch.Tensor, schedule: str, m
 @example(layout="pp2xdp2", schedule="1f1b", m=7, n_layer=4, tie=True, seed=15)
 @example(layout="pp2xtp2", schedule="gpipe", m=4, n_layer=5, tie=False, seed=16)
 @example(layout="pp2xtp2", schedule="1f1b", m=3, n_layer=4, tie=True, seed=1)
+@example(layout="pp4", schedule="1f1b", m=3, n_layer=5, tie=True, seed=17)  # fewer micro-batches than stages
+@ci_examples(3)
 @given(layout=st.sampled_from(sorted(LAYOUTS)), schedule=st.sampled_from(["gpipe", "1f1b"]), m=st.integers(1, 8),
        n_layer=st.integers(4, 5), tie=st.booleans(), seed=st.integers(0, 2**16))
 def test_pipeline_equals_single_process(pools, layout, schedule, m, n_layer, tie, seed):
@@ -240,7 +243,8 @@ def test_pipeline_equals_single_process(pools, layout, schedule, m, n_layer, tie
     counted once), the gradients before the last step and the parameters after three clipped AdamW
     steps equal the reference; the tied copies stay bitwise identical; 1F1B never holds more than
     pp - stage micro-batches' activations, GPipe all m. The explicit examples put every layout with
-    both schedules into every run (the ci profile adds 10 drawn examples)."""
+    both schedules into every run, and 1F1B with fewer micro-batches than stages at pp 2 and 4 (the
+    ci profile adds 3 drawn examples)."""
     world, mesh_sizes = LAYOUTS[layout]
     dp, pp = mesh_sizes.get("dp", 1), mesh_sizes["pp"]
     cfg = dict(vocab_size=24, block_size=5, n_layer=n_layer, n_head=2, n_embd=8, tie_weights=tie, seed=seed)
@@ -465,6 +469,12 @@ def pp_zero_cases(draw):
                    options={"sequence_parallel": True, "reshard_after_forward": True}))
 @example(case=dict(strategy="zero3", layout="pp4", precision="bf16", schedule="1f1b", m=4, tie=False, seed=9,
                    options={"cpu_offload": True}))
+# with the ones above, every stage on every layout
+@example(case=dict(strategy="zero1", layout="pp4", precision="fp32", schedule="gpipe", m=1, tie=True, seed=10,
+                   options={}))
+@example(case=dict(strategy="zero2", layout="pp2xtp2", precision="fp32", schedule="1f1b", m=2, tie=False, seed=11,
+                   options={"sequence_parallel": True, "cpu_offload": True}))
+@ci_examples(3)
 @given(case=pp_zero_cases())
 def test_pipeline_with_zero_equals_single_process(pools, case):
     """ZeRO-1, ZeRO-2 and ZeRO-3 on the data-parallel axis of a pipeline (with tp, sequence parallel
