@@ -24,6 +24,7 @@ from minipar.models import GPT, GPTConfig
 from minipar.pipeline import SCHEDULES, Stage, chunks_per_rank, simulate
 from minipar.pipeline.split_backward import backward_input
 
+from conftest import ci_examples
 from test_pipeline import LAYOUTS, _assert_equal_to_reference, _assert_tied_copies_identical, _reference, \
     _report, _train
 
@@ -172,7 +173,8 @@ def _case(schedule, layout, m, strategy="ddp", v=None, tie=True, seed=0, extra=1
 
 
 # Every schedule at pp 2 and 4, with each data-parallel strategy, tp (+ sequence parallelism) and
-# recomputation at least once, m from p to 4p: in every run, before the drawn examples.
+# recomputation at least once, m from p to 4p: in every run, before the drawn examples. The last
+# three put every schedule with every strategy (on dp=2, where the strategies differ) into every run.
 @example(case=_case("interleaved_1f1b", "pp2", 2, v=2, seed=1))
 @example(case=_case("interleaved_1f1b", "pp4", 8, v=2, strategy="zero1", tie=False, seed=2, extra=0))
 @example(case=_case("interleaved_1f1b", "pp2xdp2", 6, v=3, strategy="zero3", seed=3))
@@ -186,6 +188,10 @@ def _case(schedule, layout, m, strategy="ddp", v=None, tie=True, seed=0, extra=1
 @example(case=_case("zb_v", "pp4", 16, strategy="zero3", tie=False, seed=10, activation_checkpointing=True))
 @example(case=_case("zb_v", "pp2xdp2", 2, strategy="zero2", seed=11, extra=0))
 @example(case=_case("zb_v", "pp2xtp2", 3, strategy="zero3", seed=12, sequence_parallel=True))
+@example(case=_case("interleaved_1f1b", "pp2xdp2", 2, v=2, strategy="zero2", seed=13, activation_checkpointing=True))
+@example(case=_case("zb_h1", "pp2xdp2", 2, strategy="zero3", tie=False, seed=14))
+@example(case=_case("zb_v", "pp2xdp2", 4, strategy="zero1", tie=False, seed=15, activation_checkpointing=True))
+@ci_examples(2)
 @given(case=schedule_cases())
 def test_schedule_equals_single_process(pools, case):
     """Losses on every rank, the one gradient norm (tied weight once), the gradients before the last
