@@ -144,7 +144,8 @@ class GradStaging(ShardBucket):
 
     def _buffer(self) -> torch.Tensor:
         if self._flat is None:  # contents undefined until added, or zeroed at launch
-            n, device = self.group.layout.padded, self.group.shard.device
+            # (the gradient shard's device: the parameter shard may be offloaded to the host)
+            n, device = self.group.layout.padded, self.group.grad_shard.device
             self._base = self.pool.take(n, self.dtype, device) if self.pool is not None else \
                 torch.empty(n, dtype=self.dtype, device=device)
             self._flat = self._base[:n]

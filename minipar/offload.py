@@ -25,12 +25,13 @@ be backwards). Every byte moved is counted (`OffloadTraffic`: to the device, to 
 from and written to disk) and `minipar.formulas.offload_traffic` predicts it exactly.
 
 The files: one per flat group and state (``g3.master``, ``g3.exp_avg``, ``g3.shard``...), under
-``path/minipar-offload-rank00005``, created at full size when the model is wrapped (a full disk
+``path/minipar-offload-rank00005-XXXX`` (one folder per model and rank), created at full size when the model is wrapped (a full disk
 fails then, on every rank, with the space needed, before training starts), overwritten in place
 afterwards, and removed with the model (they are scratch space: checkpoints are the durable copy,
 and `minipar.checkpoint` saves and loads offloaded state like any other). A write that fails during a step (the disk died, or filled under a file that
-grows) surfaces at the end of that step on every rank as `OffloadError`; the files of earlier
-steps and every checkpoint saved before stay as they were. Offloading changes no arithmetic: the
+grows) surfaces at the end of that step on every rank as `OffloadError`. The files are then a
+mix of two steps (they are overwritten in place, chunk by chunk): load the last checkpoint, which
+offloading never touches, into the same model or a new one. Offloading changes no arithmetic: the
 chunked step runs the same torch optimizer on each chunk, so in fp32 a run is bitwise equal to
 the same run without offload.
 """
@@ -44,6 +45,7 @@ import inspect
 import math
 import os
 import shutil
+import tempfile
 import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -167,13 +169,13 @@ class DiskFiles:
 
     def __init__(self, root: str | os.PathLike, rank: int, traffic: OffloadTraffic) -> None:
         self.root = Path(root)
-        self.dir = self.root / f"minipar-offload-rank{rank:05d}"
+        # A folder of its own per model and rank: two models offloading to one path never share files.
+        self.dir = Path(tempfile.mkdtemp(prefix=f"minipar-offload-rank{rank:05d}-", dir=self.root))
         self.traffic = traffic
         self._files: dict[str, tuple[int, torch.dtype, int]] = {}  # name -> (fd, dtype, numel)
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="minipar-offload-read")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="minipar-offload-write")
         self._writes: deque[tuple[str, Future]] = deque()
-        self.dir.mkdir(exist_ok=True)
         # The files are scratch space (checkpoints are the durable copy): gone with the model.
         self._finalizer = weakref.finalize(self, _remove_files, self.dir, self._files)
 
@@ -286,7 +288,7 @@ class NvmeOptimizer:
     of an element depends on that element alone: chunking changes nothing.
 
     Between steps ``optimizer.state[master]`` holds the scalar state (Adam's ``step``); the
-    per-element state is in the files, and `in_memory` brings all of it back for checkpoints.
+    per-element state is in the files, and `load` brings all of it back for checkpoints (`store` ends it).
     """
 
     def __init__(self, files: DiskFiles, masters: list[nn.Parameter], chunk_elems: int) -> None:
@@ -294,6 +296,7 @@ class NvmeOptimizer:
         self.keys: dict[str, torch.dtype] = {}   # per-element state, found by a probe step
         self.stepped = [False] * len(masters)    # whether a group's state files hold state yet
         self.optimizer: torch.optim.Optimizer | None = None
+        self.depth = 0                           # nesting of load/store (only the outermost acts)
         self._proxy = nn.Parameter(torch.zeros(1))
         self._chunk_opt: torch.optim.Optimizer | None = None
 
@@ -301,12 +304,14 @@ class NvmeOptimizer:
         """Learn the per-element state of ``optimizer``'s class from one step on a one-element
         parameter, and reserve its files."""
         self.optimizer = optimizer
-        probe = nn.Parameter(torch.zeros(1))
-        probe.grad = torch.ones(1)
-        opt = type(optimizer)([probe], **_constructor_kwargs(optimizer))
-        opt.step()
-        self.keys = {k: v.dtype for k, v in opt.state[probe].items()
-                     if torch.is_tensor(v) and v.dim() > 0 and v.shape == probe.shape}
+        self.keys = {}
+        for group in optimizer.param_groups:  # each group's options (momentum, amsgrad...) may add state
+            probe = nn.Parameter(torch.zeros(1))
+            probe.grad = torch.ones(1)
+            opt = type(optimizer)([probe], **_constructor_kwargs(optimizer, group))
+            opt.step()
+            self.keys.update({k: v.dtype for k, v in opt.state[probe].items()
+                              if torch.is_tensor(v) and v.dim() > 0 and v.shape == probe.shape})
         for gi, m in enumerate(self.masters):
             for k, dtype in self.keys.items():
                 self.files.create(f"g{gi}.{k}", torch.zeros(m.numel(), dtype=dtype))
@@ -349,11 +354,11 @@ class NvmeOptimizer:
         names = ["master"] + (list(self.keys) if self.stepped[gi] else [])
         return {k: self.files.read(f"g{gi}.{k}", lo, hi - lo, device) for k in names}
 
-    @contextlib.contextmanager
-    def in_memory(self, write_back: bool) -> Iterator[None]:
-        """The masters and the optimizer's per-element state as ordinary host tensors (for a
-        checkpoint, a state dict, the full parameters); with ``write_back`` what the block left
-        in them is written to the files when it ends without an exception."""
+    def load(self) -> None:
+        """The masters and the optimizer's per-element state into ordinary host tensors (for a
+        checkpoint, a state dict, the full parameters), until `store`; the strategy's
+        ``offloaded_state`` pairs the two and agrees on failures across ranks."""
+        self.depth += 1
         self.files.wait_writes()
         opt = self.optimizer
         for gi, m in enumerate(self.masters):
@@ -361,24 +366,29 @@ class NvmeOptimizer:
             if opt is not None and self.stepped[gi]:
                 opt.state[m].update({k: self.files.read(f"g{gi}.{k}", 0, m.numel(), torch.device("cpu")).result()
                                      for k in self.keys})
-        ok = False
+
+    def store(self, write_back: bool) -> None:
+        """End `load`: with ``write_back``, what the tensors hold now goes to the files; then they
+        leave memory (the scalar state stays)."""
+        self.depth -= 1
+        opt = self.optimizer
         try:
-            yield
-            ok = True
-        finally:
             for gi, m in enumerate(self.masters):
                 state = opt.state.get(m, {}) if opt is not None else {}
-                if ok and write_back:
+                if write_back:
                     self.files.write(f"g{gi}.master", 0, m.data)
                     for k in self.keys:
                         if k in state:
                             self.files.write(f"g{gi}.{k}", 0, state[k])
                     self.stepped[gi] = any(k in state for k in self.keys)
+            if write_back:
+                self.files.wait_writes()
+        finally:
+            for m in self.masters:
+                state = opt.state.get(m, {}) if opt is not None else {}
                 for k in self.keys:
                     state.pop(k, None)
                 m.data = placeholder(m.numel())
-            if ok and write_back:
-                self.files.wait_writes()
 
 
 def _landed(read: Future, files: DiskFiles, what: str) -> torch.Tensor:
@@ -391,7 +401,7 @@ def _landed(read: Future, files: DiskFiles, what: str) -> torch.Tensor:
         raise OffloadError(f"reading the offloaded {what} from {files.dir} failed: {e}") from e
 
 
-def _constructor_kwargs(optimizer: torch.optim.Optimizer) -> dict:
-    """``optimizer``'s defaults that its class's constructor takes (some defaults are derived)."""
+def _constructor_kwargs(optimizer: torch.optim.Optimizer, group: dict | None = None) -> dict:
+    """``optimizer``'s defaults (or ``group``'s options) that its class's constructor takes."""
     accepted = inspect.signature(type(optimizer).__init__).parameters
-    return {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    return {k: v for k, v in (group or optimizer.defaults).items() if k in accepted and k != "params"}

@@ -154,7 +154,7 @@ class ShardedState(Strategy):
         """Reduce, divide out the loss scale, and agree on overflow across every rank. Idempotent per step."""
         if self.grad_state is not GradState.UNSCALED:
             self.sync_grads()
-            found = torch.zeros(1, device=self.groups[0].shard.device)
+            found = torch.zeros(1, device=self.groups[0].grad_shard.device)
             if self.scaler.enabled:
                 for g in self.groups:  # one pass: divide out the scale, flag inf/nan (padding is zero)
                     kernels.scale_cast_(g.grad_shard, g.grad_shard, 1.0 / self.scaler.scale, found)
@@ -289,12 +289,18 @@ class ShardedState(Strategy):
                 if off.optimizer == "nvme":
                     self.files.create(f"g{i}.master", g.master.detach())
                     g.master.data = placeholder(g.master.numel())
-        except OSError as e:
+        except Exception as e:  # noqa: BLE001 -- a full disk, a failed pinned allocation: every rank must hear
             error = f"offloading to {off.path}: {e}; free space there or offload to 'cpu'"
         if error is not None and self.files is not None:
             self.files.close()  # removes only the files it made; nothing else under path is touched
         if off.nvme:  # a disk can fail on one rank: all raise together (the same branch on every rank)
-            agree(self.mesh, "Offload(...) setup", error)
+            try:
+                agree(self.mesh, "Offload(...) setup", error)
+            except ValueError:
+                self.files.close()  # every rank removes what it began
+                raise
+        elif error is not None:
+            raise ValueError(error)
         if off.optimizer == "nvme":
             self.nvme = NvmeOptimizer(self.files, [g.master for g in self.groups], off.chunk_elems)
 
@@ -318,12 +324,41 @@ class ShardedState(Strategy):
         """Start reading group ``i``'s shard from its file (params="nvme"): a future of a host buffer."""
         return self.files.read(f"g{i}.shard", 0, self.groups[i].shard.numel(), self.mesh.device)
 
-    def offloaded_state(self, write_back: bool = False):
+    @contextlib.contextmanager
+    def offloaded_state(self, write_back: bool = False) -> Iterator[None]:
         """A context in which every tensor the optimizer steps is an ordinary tensor with its
-        state (checkpoints, state dicts, full parameters); a no-op unless optimizer="nvme"."""
-        if self.nvme is None:
-            return contextlib.nullcontext()
-        return self.nvme.in_memory(write_back)
+        state (checkpoints, state dicts, full parameters); a no-op unless optimizer="nvme". Every
+        rank enters and leaves it together (its callers are collective), so a rank's failed read
+        or write is agreed at each end: `OffloadError` on every rank, never a hang. Nested uses
+        share the outermost one."""
+        if self.nvme is None or self.nvme.depth > 0:
+            yield
+            return
+        try:
+            self._agree_io(self.nvme.load, "reading the offloaded state")
+        except OffloadError:
+            self.nvme.store(False)
+            raise
+        ok = False
+        try:
+            yield
+            ok = True
+        finally:
+            if ok:
+                self._agree_io(lambda: self.nvme.store(write_back), "writing the offloaded state back")
+            else:
+                self.nvme.store(False)
+
+    def _agree_io(self, fn, what: str) -> None:
+        error = None
+        try:
+            fn()
+        except (OSError, OffloadError) as e:
+            error = f"{what}: {e}"
+        errors = self.comm.all_gather_object(error, self.world, tag="offload")
+        failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+        if failed:
+            raise OffloadError("\n".join(f"rank {r}: {e}" for r, e in failed))
 
     def offload_traffic(self) -> dict[str, int]:
         """Bytes offloading moved since construction: to_device, to_host, disk_read, disk_write."""
@@ -348,7 +383,7 @@ class ShardedState(Strategy):
             if not self.master_is_shard(g):
                 self._write_shard(i, 0, g.master.detach())
         if self.files is not None:
-            self.files.wait_writes()
+            self._agree_on_disk()  # before spread_params' all-gather: a rank's failed write raises everywhere
         self.spread_params()
 
     # -- accounting ------------------------------------------------------------
@@ -431,8 +466,14 @@ class ShardedOptimizer:
         self.state = state
         self.optimizer = optimizer_cls([g.master for g in state.groups], **kwargs)
         state.optimizer = self
-        if state.nvme is not None:  # the per-element state gets its files
-            state.nvme.build(self.optimizer)
+        if state.nvme is not None:  # the per-element state gets its files: on every rank, or all raise
+            error = None
+            try:
+                state.nvme.build(self.optimizer)
+            except Exception as e:  # noqa: BLE001 -- one rank's failure must reach every rank, not hang them
+                error = f"reserving the optimizer state's files under {state.offload.path}: {e}; free space there " \
+                        "or offload to 'cpu'"
+            agree(state.mesh, "build_optimizer with Offload(optimizer='nvme')", error)
         self._step_hooks: OrderedDict[int, Any] = OrderedDict()  # weakly referenced by RemovableHandle
 
     @property
@@ -469,7 +510,9 @@ class ShardedOptimizer:
 
     def state_dict(self) -> dict:
         with self.state.offloaded_state():
-            optimizer = copy.deepcopy(self.optimizer.state_dict())  # (the offloaded tensors leave memory after)
+            optimizer = self.optimizer.state_dict()
+            if self.state.nvme is not None:  # its per-element tensors leave memory with the block
+                optimizer = copy.deepcopy(optimizer)
         return {"optimizer": optimizer, "scaler": self.state.scaler.state_dict(),
                 "layout": self.state.layout_signature()}
 

@@ -84,6 +84,9 @@ class DataParallelConfig:
                              "Offload(optimizer='cpu')")
         if self.cpu_offload:  # the older spelling of the same thing: one place reads it, `offload`
             object.__setattr__(self, "offload", Offload(optimizer="cpu"))
+        if self.offload is not None and self.offload.optimizer is None:  # offloads nothing (params needs
+            # optimizer): the plain strategy, fused step and all
+            object.__setattr__(self, "offload", None)
         if self.offload is not None and self.offload.params is not None and not self.zero3:
             raise ValueError(f"Offload(params={self.offload.params!r}) offloads zero3's parameter shards; "
                              f"{self.strategy} keeps the full parameters on every rank: use strategy='zero3', or "

@@ -9,6 +9,7 @@ state, the chunked step's bounded reads, and every way a disk can fail.
 
 from __future__ import annotations
 
+import copy
 import errno
 import os
 from pathlib import Path
@@ -182,33 +183,45 @@ def test_checkpoints_save_and_load_offloaded_state(pools, tmp_path):
 # -- disks that fail ---------------------------------------------------------------------------
 
 
-def _setup_on_a_full_disk(ctx, root):
-    """Rank 1's disk cannot hold its files: every rank must raise, rank 1's files must be gone."""
+def _setup_on_a_full_disk(ctx, root, which):
+    """Rank 1's disk cannot hold the files named ``which`` (the masters and shards reserved when the
+    model is wrapped, or the moments reserved by build_optimizer): every rank must raise."""
     (Path(root) / "keep.txt").write_text("saved before") if ctx.rank == 0 else None
     mesh = Mesh()
     real = os.posix_fallocate
+    names = {}
 
     def full(fd, offset, n):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        if which in os.readlink(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, offset, n)
     if ctx.rank == 1:
         offload_module.os.posix_fallocate = full
     try:
-        ShardedModule(GPT(GPTConfig(**CFG)), mesh=mesh, strategy="zero3",
-                      offload=Offload(optimizer="nvme", params="nvme", path=root))
+        model = ShardedModule(GPT(GPTConfig(**CFG)), mesh=mesh, strategy="zero3",
+                              offload=Offload(optimizer="nvme", params="nvme", path=root))
+        names["built"] = True
+        model.build_optimizer(torch.optim.AdamW, lr=LR)
         error = None
     except ValueError as e:
         error = str(e)
     finally:
         offload_module.os.posix_fallocate = real
     mesh.destroy()
-    return error
+    return error, names
 
 
-def test_a_full_disk_at_setup_fails_on_every_rank_and_leaves_nothing_behind(pools, tmp_path):
-    errors = pools.run(2, _setup_on_a_full_disk, str(tmp_path))
-    for e in errors:
+@pytest.mark.parametrize("which", [".master", ".exp_avg"])
+def test_a_full_disk_at_setup_fails_on_every_rank_and_leaves_nothing_behind(pools, tmp_path, which):
+    """When the model is wrapped (masters, shards) or the optimizer built (moments): a ValueError on
+    every rank naming rank 1, and after a failed wrap no rank's files remain; what the directory
+    held before is untouched."""
+    out = pools.run(2, _setup_on_a_full_disk, str(tmp_path), which)
+    for e, names in out:
         assert e is not None and "rank 1" in e and "No space left on device" in e and "free space" in e, e
-    assert not (tmp_path / "minipar-offload-rank00001").exists()  # what rank 1 began is removed
+        assert names.get("built", False) == (which == ".exp_avg")
+    if which == ".master":
+        assert not list(tmp_path.glob("minipar-offload-rank*"))  # every rank removed what it began
     assert (tmp_path / "keep.txt").read_text() == "saved before"  # what was there is untouched
 
 
@@ -240,8 +253,11 @@ def _step_on_a_full_disk(ctx, root, ckpt):
         error = str(e)
     finally:
         offload_module._pwrite = real
+    opt.zero_grad()
+    checkpoint.load(ckpt, model, opt)  # what the error says to do, into the same model
+    recovered = {k: v.clone() for k, v in model.full_state_dict().items()}
     mesh.destroy()
-    return error, saved
+    return error, saved, recovered
 
 
 def test_a_disk_that_fills_during_a_step_fails_on_every_rank_and_the_checkpoint_survives(pools, tmp_path):
@@ -249,13 +265,47 @@ def test_a_disk_that_fills_during_a_step_fails_on_every_rank_and_the_checkpoint_
     the checkpoint saved before loads into a fresh run with the parameters it had."""
     ckpt = tmp_path / "ckpt"
     out = pools.run(2, _step_on_a_full_disk, str(tmp_path), str(ckpt))
-    for error, _ in out:
+    for error, saved, recovered in out:
         assert error is not None and "rank 1" in error and "No space left on device" in error and ".master" in error
         assert "load the last checkpoint" in error
+        for k in saved:  # the failed model itself is whole again
+            assert torch.equal(saved[k], recovered[k]), k
     resumed = pools.run(2, _resume, str(ckpt), None, None, str(tmp_path), 0)
-    for (_, saved), r in zip(out, resumed):
+    for (_, saved, _), r in zip(out, resumed):
         for k in saved:
             assert torch.equal(saved[k], r["loaded"][k]), k
+
+
+def _two_models_one_path(ctx, root):
+    """Model A trains a step; model B is built on the same path; A's state must not change, also
+    through a full state dict taken inside a write-back block (nested offloaded_state)."""
+    mesh = Mesh()
+    off = Offload(optimizer="nvme", params="nvme", path=root, chunk_mb=CHUNK * 4 / 2**20)
+    a = ShardedModule(GPT(GPTConfig(**CFG)), mesh=mesh, strategy="zero3", offload=off)
+    opt = a.build_optimizer(torch.optim.AdamW, lr=LR)
+    x = batches(1, 1, 1, mesh.dp, 2, 7, CFG["vocab_size"])[0, 0, 2 * mesh.dp_rank:2 * mesh.dp_rank + 2]
+    a.train_step(x[:, :-1], x[:, 1:], gpt_loss)
+    opt.step()
+    before = {k: v.clone() for k, v in a.full_state_dict().items()}
+    sd = copy.deepcopy(opt.state_dict())
+    b = ShardedModule(GPT(GPTConfig(**{**CFG, "seed": 5})), mesh=mesh, strategy="zero3", offload=off)
+    b.build_optimizer(torch.optim.AdamW, lr=LR)
+    with a.strategy.offloaded_state(write_back=True):
+        inside = {k: v.clone() for k, v in a.full_state_dict().items()}
+    after = {k: v.clone() for k, v in a.full_state_dict().items()}
+    opt.load_state_dict(sd)  # an nvme optimizer state dict round trip
+    sd_again = opt.state_dict()
+    same_sd = all(torch.equal(sd["optimizer"]["state"][i][k], sd_again["optimizer"]["state"][i][k])
+                  for i in sd["optimizer"]["state"] for k in sd["optimizer"]["state"][i])
+    mesh.destroy()
+    return before, inside, after, same_sd, len(sd["optimizer"]["state"])
+
+
+def test_two_models_on_one_path_keep_their_own_files(pools, tmp_path):
+    for before, inside, after, same_sd, n_states in pools.run(2, _two_models_one_path, str(tmp_path)):
+        for k in before:
+            assert torch.equal(before[k], inside[k]) and torch.equal(before[k], after[k]), k
+        assert same_sd and n_states > 0
 
 
 def _path_check_differs(ctx, root):
