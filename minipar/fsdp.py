@@ -229,11 +229,11 @@ class Zero3(ShardedState):
 
     def _read_ahead(self, u: Unit | None) -> None:
         """params="nvme": start reading ``u``'s shards from disk (the unit after the one prefetched)."""
-        if u is None or self.files is None or self.offload.params != "nvme" or u.state is not UnitState.SHARDED:
+        if u is None or self.homes.params != "nvme" or u.state is not UnitState.SHARDED:
             return
         for part in u.parts:
             if part.index not in self._reads:
-                self._reads[part.index] = self.read_shard(part.index)
+                self._reads[part.index] = self.homes.read(part.group, part.index)
 
     def _forward_hook(self, u: Unit) -> Callable:
         def post_forward(module, args, output) -> None:

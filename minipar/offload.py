@@ -51,7 +51,6 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import torch
 import torch.nn as nn
@@ -260,6 +259,64 @@ class DiskFiles:
             if done <= 0:
                 raise OSError(errno.EIO, f"{self.dir / name} ended early (read {offset} bytes)")
             view, offset = view[done:], offset + done
+
+
+class ShardHomes:
+    """Where a sharded strategy's compute shards and fp32 masters live under an `Offload` (None:
+    on the device), and the moves between there and the device, each counted in ``traffic``.
+    Group ``i``'s files are ``g{i}.shard`` and ``g{i}.master``."""
+
+    def __init__(self, offload: Offload | None, device: torch.device, param_dtype: torch.dtype, rank: int) -> None:
+        self.offload, self.device, self.param_dtype, self.rank = offload, device, param_dtype, rank
+        self.params = offload.params if offload is not None else None
+        self.traffic = OffloadTraffic()
+        self.files: DiskFiles | None = None
+
+    def place(self, groups: list) -> str | None:
+        """Move each group's shard (params offload) and master (optimizer="nvme") to its home,
+        reserving the files; why not, if that failed on this rank (its files then removed)."""
+        off = self.offload
+        try:
+            if off.nvme:
+                self.files = DiskFiles(off.path, self.rank, self.traffic)
+            for i, g in enumerate(groups):
+                if self.params == "cpu":
+                    g.shard = host_empty(g.shard.numel(), g.shard.dtype, self.device).copy_(g.shard)
+                elif self.params == "nvme":
+                    self.files.create(f"g{i}.shard", g.shard)
+                    g.shard = placeholder(g.shard.numel(), g.shard.dtype)
+                if off.optimizer == "nvme":
+                    self.files.create(f"g{i}.master", g.master.detach())
+                    g.master.data = placeholder(g.master.numel())
+        except Exception as e:  # noqa: BLE001 -- a full disk, a failed pinned allocation: every rank must hear
+            if self.files is not None:
+                self.files.close()  # removes only the files it made; nothing else under path is touched
+            return f"offloading to {off.path}: {e}; free space there or offload to 'cpu'"
+        return None
+
+    def to_device(self, g, i: int, ahead: dict | None = None) -> torch.Tensor:
+        """Group ``g``'s (number ``i``) compute shard on the device, for its all-gather: the shard
+        itself, or a copy from the host or from its file (``ahead``: reads started earlier)."""
+        if self.params is None:
+            return g.shard
+        host = ((ahead or {}).pop(i, None) or self.read(g, i)).result() if self.params == "nvme" else g.shard
+        self.traffic.add("to_device", host.numel() * host.element_size())
+        out = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+        return out.copy_(host, non_blocking=host.is_pinned())
+
+    def read(self, g, i: int) -> Future:
+        """Start reading group ``i``'s shard from its file (params="nvme"): a future host buffer."""
+        return self.files.read(f"g{i}.shard", 0, g.shard.numel(), self.device)
+
+    def write_shard(self, g, i: int, lo: int, values: torch.Tensor) -> None:
+        """New fp32 values of elements [lo, lo + len) of group ``i``'s real part into its compute
+        shard, wherever the shard lives (device, host, or its file)."""
+        if self.params == "nvme":
+            self.files.write(f"g{i}.shard", lo, values.to(self.param_dtype))
+            return
+        if self.params is None and self.offload is not None:
+            self.traffic.add("to_device", values.numel() * g.shard.element_size())  # host master -> device
+        g.shard[lo:lo + values.numel()].copy_(values)
 
 
 def _remove_files(folder: Path, files: dict) -> None:

@@ -37,7 +37,7 @@ from .comm import AxisGroup
 from .flat import FlatLayout, ShardGroup
 from .grad_norm import GradPiece
 from .mesh import Mesh
-from .offload import DiskFiles, NvmeOptimizer, Offload, OffloadError, OffloadTraffic, agree, host_empty, placeholder
+from .offload import DiskFiles, NvmeOptimizer, Offload, OffloadError, ShardHomes, agree
 from .placement import placement_of
 from .precision import LossScaler, MixedPrecision
 from .strategy import Strategy, optimizer_state_tensors, storage_bytes
@@ -82,7 +82,9 @@ class ShardedState(Strategy):
         self.mesh, self.comm, self.world = mesh, mesh.comm, mesh.world
         self.group = mesh.group(mesh.grad_axis)
         self.policy, self.offload = policy, offload
-        self.traffic = OffloadTraffic()  # bytes offloading moved (`minipar.offload`)
+        # Where the shards and masters live, and the moves between there and the device (`minipar.offload`).
+        self.homes = ShardHomes(offload, mesh.device, policy.param_dtype, mesh.rank)
+        self.traffic = self.homes.traffic
         self.files: DiskFiles | None = None
         self.nvme: NvmeOptimizer | None = None
         self._disk_error: str | None = None
@@ -245,16 +247,7 @@ class ShardedState(Strategy):
         return self.offload is None and g.master.data_ptr() == g.shard.data_ptr()
 
     def _write_shard(self, i: int, lo: int, values: torch.Tensor) -> None:
-        """New fp32 values of elements [lo, lo + len) of group ``i``'s real part into its compute
-        shard, wherever the shard lives (device, host, or its file)."""
-        g, n = self.groups[i], values.numel()
-        where = self.offload.params if self.offload is not None else None
-        if where == "nvme":
-            self.files.write(f"g{i}.shard", lo, values.to(self.policy.param_dtype))
-            return
-        if where is None and self.offload is not None and self.offload.optimizer is not None:
-            self.traffic.add("to_device", n * g.shard.element_size())  # host masters -> device shard
-        g.shard[lo:lo + n].copy_(values)
+        self.homes.write_shard(self.groups[i], i, lo, values)
 
     def _agree_on_disk(self) -> None:
         """Every write of this step landed on every rank, or `OffloadError` on every rank."""
@@ -273,26 +266,11 @@ class ShardedState(Strategy):
     def offload_setup(self) -> None:
         """Once the stage made its groups: send the masters (and zero3's shards) to their offload
         homes, reserving the files; ValueError on every rank if any rank cannot."""
-        off, error = self.offload, None
+        off = self.offload
         if off is None:
             return
-        try:
-            if off.nvme:
-                self.files = DiskFiles(off.path, self.mesh.rank, self.traffic)
-            for i, g in enumerate(self.groups):
-                if off.params == "cpu":
-                    host = host_empty(g.shard.numel(), g.shard.dtype, g.shard.device)
-                    g.shard = host.copy_(g.shard)
-                elif off.params == "nvme":
-                    self.files.create(f"g{i}.shard", g.shard)
-                    g.shard = placeholder(g.shard.numel(), g.shard.dtype)
-                if off.optimizer == "nvme":
-                    self.files.create(f"g{i}.master", g.master.detach())
-                    g.master.data = placeholder(g.master.numel())
-        except Exception as e:  # noqa: BLE001 -- a full disk, a failed pinned allocation: every rank must hear
-            error = f"offloading to {off.path}: {e}; free space there or offload to 'cpu'"
-        if error is not None and self.files is not None:
-            self.files.close()  # removes only the files it made; nothing else under path is touched
+        error = self.homes.place(self.groups)
+        self.files = self.homes.files
         if off.nvme:  # a disk can fail on one rank: all raise together (the same branch on every rank)
             try:
                 agree(self.mesh, "Offload(...) setup", error)
@@ -305,24 +283,8 @@ class ShardedState(Strategy):
             self.nvme = NvmeOptimizer(self.files, [g.master for g in self.groups], off.chunk_elems)
 
     def shard_on_device(self, i: int, ahead: dict | None = None) -> torch.Tensor:
-        """Group ``i``'s compute shard on the device, for its all-gather: the shard itself, or a
-        copy from the host or from its file (``ahead``: reads started earlier, by group)."""
-        g = self.groups[i]
-        where = self.offload.params if self.offload is not None else None
-        if where is None:
-            return g.shard
-        if where == "nvme":
-            pending = (ahead or {}).pop(i, None) or self.read_shard(i)
-            host = pending.result()
-        else:
-            host = g.shard
-        self.traffic.add("to_device", host.numel() * host.element_size())
-        out = torch.empty(host.shape, dtype=host.dtype, device=self.mesh.device)
-        return out.copy_(host, non_blocking=host.is_pinned())
-
-    def read_shard(self, i: int):
-        """Start reading group ``i``'s shard from its file (params="nvme"): a future of a host buffer."""
-        return self.files.read(f"g{i}.shard", 0, self.groups[i].shard.numel(), self.mesh.device)
+        """Group ``i``'s compute shard on the device, for its all-gather (`ShardHomes.to_device`)."""
+        return self.homes.to_device(self.groups[i], i, ahead)
 
     @contextlib.contextmanager
     def offloaded_state(self, write_back: bool = False) -> Iterator[None]:
