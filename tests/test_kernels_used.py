@@ -115,12 +115,16 @@ def _zero_steps(ctx, strategy: str, precision: str, triton: bool):
 
 @interpreted
 def test_zero_step_goes_through_fused_adamw_and_scale_cast(pools):
-    """fp32 (zero1, zero3): the fused AdamW step equals torch's AdamW at fp32 tolerance. fp16 with
-    loss scaling (zero1): scale-and-cast unscales and flags, the fused step writes the fp16
-    compute copies (exactly the masters rounded), and the run equals the PyTorch path to a tenth
-    of one Adam step (the norms, activations and loss run in fp16 by different kernels on the two
-    paths)."""
-    for strategy, precision in (("zero1", "fp32"), ("zero3", "fp32"), ("zero1", "fp16")):
+    """fp32 (zero3): the fused AdamW step equals torch's AdamW at fp32 tolerance. fp16 with loss
+    scaling (zero1): scale-and-cast unscales and flags, the fused step writes the fp16 compute
+    copies (exactly the masters rounded), and the run equals the PyTorch path to a tenth of one
+    Adam step (the norms, activations and loss run in fp16 by different kernels on the two paths).
+
+    Every stage steps through the same ``ShardedState.fused_step``; its two paths are an fp32
+    master that *is* the compute shard (nothing to write) and a master apart from it (the step
+    writes the compute shard): one stage for each. (zero1 in fp32 took the first path as zero3
+    does, over buckets instead of units.)"""
+    for strategy, precision in (("zero3", "fp32"), ("zero1", "fp16")):
         fused = pools.run(2, _zero_steps, strategy, precision, True)
         plain = pools.run(2, _zero_steps, strategy, precision, False)
         # fp16: the two paths' forwards round differently, which moves Adam's normalised update
