@@ -8,7 +8,9 @@ parallel model are gathered back to full tensors along each shard's dim before c
 
 from __future__ import annotations
 
+import itertools
 import math
+import os
 
 import pytest
 import torch
@@ -199,8 +201,22 @@ def _train_dp_tp(ctx, strategy: str, cfg: dict, data: torch.Tensor, sequence_par
     return losses, norms, grads, state
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True])
-@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "zero3"])
+# (tp, data-parallel strategy, sequence parallelism) of every dp=2 layout the two tests below train:
+# tp=2 on 4 ranks, tp=4 on 8. CI runs a sample holding every pair of those options (checked by
+# test_the_dp_tp_sample_holds_every_pair_of_options); HYPOTHESIS_PROFILE=long runs all 16.
+DP_TP_ALL = [(tp, s, sp) for tp in (2, 4) for s in ("ddp", "zero1", "zero2", "zero3") for sp in (False, True)]
+DP_TP_SAMPLE = [(2, "ddp", False), (2, "zero1", True), (2, "zero2", False), (2, "zero3", True),
+                (4, "ddp", True), (4, "zero1", False), (4, "zero2", True), (4, "zero3", False)]
+DP_TP = DP_TP_ALL if os.environ.get("HYPOTHESIS_PROFILE") == "long" else DP_TP_SAMPLE
+
+
+def test_the_dp_tp_sample_holds_every_pair_of_options():
+    def pairs(layouts):
+        return {(i, a, j, b) for c in layouts for (i, a), (j, b) in itertools.combinations(enumerate(c), 2)}
+    assert set(DP_TP_SAMPLE) <= set(DP_TP_ALL) and pairs(DP_TP_SAMPLE) == pairs(DP_TP_ALL)
+
+
+@pytest.mark.parametrize("strategy, sequence_parallel", [(s, sp) for tp, s, sp in DP_TP if tp == 2])
 def test_tensor_parallel_composes_with_data_parallel(pools, strategy, sequence_parallel):
     """dp=2 x tp=2 in one ShardedModule (the model's own plan applied, DDP or ZeRO on the dp axis):
     losses, gradient norms, gradients and the full state dict (original names, gathered shards)
@@ -209,7 +225,7 @@ def test_tensor_parallel_composes_with_data_parallel(pools, strategy, sequence_p
     _check_dp_tp(pools, strategy, sequence_parallel, cfg, tp=2)
 
 
-@pytest.mark.parametrize("strategy, sequence_parallel", [("ddp", True), ("zero1", False), ("zero2", True), ("zero3", False)])
+@pytest.mark.parametrize("strategy, sequence_parallel", [(s, sp) for tp, s, sp in DP_TP if tp == 4])
 def test_tp4_composes_with_dp2_on_eight_ranks(pools, strategy, sequence_parallel):
     """dp=2 x tp=4 (8 processes): as above, with four heads split one per tp rank."""
     cfg = dict(vocab_size=28, block_size=4, n_layer=2, n_head=4, n_embd=16, bias=True, tie_weights=True, seed=6)
