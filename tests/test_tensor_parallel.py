@@ -61,7 +61,8 @@ def _train_tp(ctx, cfg: dict, data: torch.Tensor, sequence_parallel: bool, max_n
         x = data[s].to(ctx.device)
         loss = vocab_parallel_cross_entropy(model(x[:, :-1]), x[:, 1:], mesh.comm, mesh.group("tp"))
         loss.backward()
-        grads = _full(model, mesh, {n: p.grad for n, p in model.named_parameters()})
+        if s == data.shape[0] - 1:  # the last step's gradients, the ones compared (gathering costs collectives)
+            grads = _full(model, mesh, {n: p.grad for n, p in model.named_parameters()})
         norms.append(clip_grad_norm_(model, mesh, max_norm, norm_type).item())
         opt.step()
         opt.zero_grad()
@@ -191,8 +192,9 @@ def _train_dp_tp(ctx, strategy: str, cfg: dict, data: torch.Tensor, sequence_par
     for s in range(data.shape[0]):
         x = data[s, mesh.dp_rank * local:(mesh.dp_rank + 1) * local].to(ctx.device)  # dp ranks differ, tp ranks share
         losses.append(sharded.train_step(x[:, :-1], x[:, 1:], sharded.cross_entropy).item())
-        by_id = sharded.strategy.full_grads() if strategy != "ddp" else {id(p): p.grad for p in model.parameters()}
-        grads = _full(model, mesh, {n: by_id[id(p)] for n, p in model.named_parameters()})
+        if s == data.shape[0] - 1:  # the last step's reduced gradients, the ones compared
+            by_id = sharded.strategy.full_grads() if strategy != "ddp" else {id(p): p.grad for p in model.parameters()}
+            grads = _full(model, mesh, {n: by_id[id(p)] for n, p in model.named_parameters()})
         norms.append(sharded.clip_grad_norm_(max_norm).item())
         opt.step()
         opt.zero_grad()
