@@ -37,9 +37,9 @@ settings.load_profile(_loaded)
 
 def ci_examples(n: int):
     """``@ci_examples(n)`` on a property: under the ci profile it draws ``n`` examples after its
-    explicit ``@example``s (which always all run) instead of the profile's 10. Only for properties
-    whose explicit examples cover the awkward cases and every pair of options; every other profile
-    (dev, long, ci_interpreted) leaves the property its own count."""
+    explicit ``@example``s (which always all run) instead of the profile's 10. Only for heavy
+    properties whose explicit examples already put the awkward cases into every run (each use says
+    which); every other profile (dev, long, ci_interpreted) leaves the property its own count."""
     if _loaded != "ci":
         return lambda test: test
     return settings(max_examples=n)
