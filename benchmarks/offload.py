@@ -16,7 +16,7 @@ Columns: the median step time (forward, backward, AdamW step; the slowest rank) 
 ``none``; bytes this rank keeps on the device (params + grads + optimizer from
 ``memory_stats()``), in host memory and on disk; and the bytes offloading moved in the last step
 (``offload_traffic()``: to the device, to the host, read from and written to disk), which
-``minipar.formulas.offload_traffic`` predicts exactly (the tests prove it). On a GPU the peak
+``minipar.offload.offload_traffic`` predicts exactly (the tests prove it). On a GPU the peak
 device memory of the step is printed too. The trade-off the table shows: each level moves
 state off the device for time spent copying it (and, for nvme, reading and writing it).
 """

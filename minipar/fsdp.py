@@ -181,7 +181,7 @@ class Zero3(ShardedState):
             self.same_units.agree(self.units.index(u), [part.group.axis.name for part in u.parts])
         for part in u.parts:
             part.full.untyped_storage().resize_(part.full.numel() * part.full.element_size())
-            shard = self.shard_on_device(part.index, self._reads)  # (brought in first when offloaded)
+            shard = self.homes.to_device(part.group, part.index, self._reads)  # (brought in when offloaded)
             u.works.append(self.comm.all_gather(part.full, shard, self._twin[part.group.axis.name],
                                                 async_op=True, tag="param"))
         if async_op:

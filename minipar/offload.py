@@ -22,7 +22,7 @@ What moves where, per rank (Φ: this rank's shard of the parameters)::
 Parameter offload needs optimizer offload (the step runs where the masters are; keeping 12
 bytes per element of optimizer state on the device while offloading 2-4 of parameters would
 be backwards). Every byte moved is counted (`OffloadTraffic`: to the device, to the host, read
-from and written to disk) and `minipar.formulas.offload_traffic` predicts it exactly.
+from and written to disk) and `offload_traffic` below predicts it exactly.
 
 The files: one per flat group and state (``g3.master``, ``g3.exp_avg``, ``g3.shard``...), under
 ``path/minipar-offload-rank00005-XXXX`` (one folder per model and rank), created at full size when the model is wrapped (a full disk
@@ -38,28 +38,24 @@ the same run without offload.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import errno
 import inspect
 import math
 import os
-import shutil
-import tempfile
-import weakref
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 
+from .disk import DiskFiles, OffloadError, OffloadTraffic, host_empty
+
+if TYPE_CHECKING:
+    from . import formulas as F
+
 KINDS = (None, "cpu", "nvme")
-
-
-class OffloadError(RuntimeError):
-    """A disk read or write of the offloaded state failed (raised on every rank, after the step)."""
 
 
 @dataclass(frozen=True)
@@ -126,141 +122,6 @@ def agree(mesh, what: str, error: str | None) -> None:
         raise ValueError(f"{what} failed:\n" + "\n".join(f"  rank {r}: {e}" for r, e in failed))
 
 
-class OffloadTraffic:
-    """Bytes moved by offloading since construction, by kind (read it before and after a step)."""
-
-    KINDS = ("to_device", "to_host", "disk_read", "disk_write")
-
-    def __init__(self) -> None:
-        self.bytes = dict.fromkeys(self.KINDS, 0)
-
-    def add(self, kind: str, n: int) -> None:
-        self.bytes[kind] += int(n)
-
-    def snapshot(self) -> dict[str, int]:
-        return dict(self.bytes)
-
-
-def host_empty(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host buffer for data on its way to or from ``device`` (pinned when that is a GPU, so the
-    copy can run asynchronously)."""
-    return torch.empty(n, dtype=dtype, pin_memory=device.type == "cuda")
-
-
-def _bytes_of(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, writable in place (any dtype, bf16 included)."""
-    assert t.is_contiguous() and t.device.type == "cpu"
-    return memoryview((ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr())).cast("B")
-
-
-# The two system calls the files go through (tests replace them to make a disk fail).
-def _pwrite(fd: int, data: memoryview, offset: int) -> int:
-    return os.pwrite(fd, data, offset)
-
-
-def _pread_into(fd: int, data: memoryview, offset: int) -> int:
-    return os.preadv(fd, [data], offset)
-
-
-class DiskFiles:
-    """This rank's offload files: fixed-size flat arrays, read and written by element range on two
-    background threads (one reading ahead, one writing behind), every byte counted."""
-
-    def __init__(self, root: str | os.PathLike, rank: int, traffic: OffloadTraffic) -> None:
-        self.root = Path(root)
-        # A folder of its own per model and rank: two models offloading to one path never share files.
-        self.dir = Path(tempfile.mkdtemp(prefix=f"minipar-offload-rank{rank:05d}-", dir=self.root))
-        self.traffic = traffic
-        self._files: dict[str, tuple[int, torch.dtype, int]] = {}  # name -> (fd, dtype, numel)
-        self._reader = ThreadPoolExecutor(1, thread_name_prefix="minipar-offload-read")
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="minipar-offload-write")
-        self._writes: deque[tuple[str, Future]] = deque()
-        # The files are scratch space (checkpoints are the durable copy): gone with the model.
-        self._finalizer = weakref.finalize(self, _remove_files, self.dir, self._files)
-
-    def create(self, name: str, values: torch.Tensor) -> None:
-        """A file holding ``values`` (flat), its whole size reserved now: a full disk fails here."""
-        path = self.dir / name
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        self._files[name] = (fd, values.dtype, values.numel())
-        nbytes = values.numel() * values.element_size()
-        try:
-            if nbytes:
-                os.posix_fallocate(fd, 0, nbytes)
-        except OSError as e:
-            free = shutil.disk_usage(self.dir).free
-            raise OSError(e.errno, f"cannot reserve {nbytes} bytes for {path}: {os.strerror(e.errno)} "
-                                   f"({free} bytes free under {self.root})") from e
-        self._write_now(name, 0, values.detach().to("cpu").contiguous())
-
-    def nbytes(self) -> int:
-        return sum(n * torch.empty(0, dtype=d).element_size() for _, d, n in self._files.values())
-
-    def read(self, name: str, lo: int, n: int, device: torch.device) -> Future:
-        """Elements [lo, lo + n) of ``name`` into a new host buffer, read on the reader thread after
-        every write submitted before (a read never sees stale data)."""
-        _, dtype, _ = self._files[name]
-        self.traffic.add("disk_read", n * torch.empty(0, dtype=dtype).element_size())
-        waits = [f for _, f in self._writes]
-        out = host_empty(n, dtype, device)
-
-        def job() -> torch.Tensor:
-            wait(waits)  # (a failed write is reported by wait_writes, not by the reads after it)
-            self._read_now(name, lo, out)
-            return out
-        return self._reader.submit(job)
-
-    def write(self, name: str, lo: int, values: torch.Tensor) -> None:
-        """Write ``values`` at element ``lo`` of ``name`` on the writer thread (``values`` is kept
-        alive until then; the caller must not change it)."""
-        values = values.detach().to("cpu").contiguous()
-        self.traffic.add("disk_write", values.numel() * values.element_size())
-        self._writes.append((name, self._writer.submit(self._write_now, name, lo, values)))
-
-    def wait_writes(self, keep: int = 0) -> None:
-        """Wait until at most ``keep`` writes are in flight; raise `OffloadError` for a failed one."""
-        while len(self._writes) > keep:
-            name, f = self._writes.popleft()
-            try:
-                f.result()
-            except OSError as e:
-                self.abandon()
-                raise OffloadError(f"writing the offloaded {name} to {self.dir / name} failed: {e}; "
-                                   "the step's state is incomplete: load the last checkpoint "
-                                   "(it is untouched) after freeing space or fixing the disk") from e
-
-    def abandon(self) -> None:
-        for _, f in self._writes:
-            f.cancel()
-        self._writes.clear()
-
-    def close(self) -> None:
-        """Stop the threads and remove this rank's files and folder (nothing else under the path)."""
-        self.abandon()
-        self._reader.shutdown(wait=True)
-        self._writer.shutdown(wait=True)
-        self._finalizer()
-
-    def _write_now(self, name: str, lo: int, values: torch.Tensor) -> None:
-        fd, dtype, numel = self._files[name]
-        assert values.dtype == dtype and lo + values.numel() <= numel, (name, values.dtype, lo, values.numel())
-        view, offset = _bytes_of(values), lo * values.element_size()
-        while len(view):
-            done = _pwrite(fd, view, offset)
-            if done <= 0:
-                raise OSError(errno.EIO, f"wrote nothing to {self.dir / name}")
-            view, offset = view[done:], offset + done
-
-    def _read_now(self, name: str, lo: int, out: torch.Tensor) -> None:
-        fd, _, _ = self._files[name]
-        view, offset = _bytes_of(out), lo * out.element_size()
-        while len(view):
-            done = _pread_into(fd, view, offset)
-            if done <= 0:
-                raise OSError(errno.EIO, f"{self.dir / name} ended early (read {offset} bytes)")
-            view, offset = view[done:], offset + done
-
-
 class ShardHomes:
     """Where a sharded strategy's compute shards and fp32 masters live under an `Offload` (None:
     on the device), and the moves between there and the device, each counted in ``traffic``.
@@ -317,17 +178,6 @@ class ShardHomes:
         if self.params is None and self.offload is not None:
             self.traffic.add("to_device", values.numel() * g.shard.element_size())  # host master -> device
         g.shard[lo:lo + values.numel()].copy_(values)
-
-
-def _remove_files(folder: Path, files: dict) -> None:
-    for name, (fd, _, _) in list(files.items()):
-        with contextlib.suppress(OSError):
-            os.close(fd)
-        with contextlib.suppress(OSError):
-            os.unlink(folder / name)
-    files.clear()
-    with contextlib.suppress(OSError):
-        folder.rmdir()
 
 
 def placeholder(n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -462,3 +312,63 @@ def _constructor_kwargs(optimizer: torch.optim.Optimizer, group: dict | None = N
     """``optimizer``'s defaults (or ``group``'s options) that its class's constructor takes."""
     accepted = inspect.signature(type(optimizer).__init__).parameters
     return {k: v for k, v in (group or optimizer.defaults).items() if k in accepted and k != "params"}
+
+
+# -- the arithmetic, built on minipar.formulas (tests/test_offload.py proves it exact) -----------------
+
+
+def offload_state_bytes(ps: F.ParamSet, dp: F.DataParallel, optimizer: str | None, params: str | None,
+                        adam: bool = True) -> dict[str, int]:
+    """`state_bytes` with `minipar.Offload(optimizer=, params=)`: {"params", "grads", "optimizer"} on
+    the compute device, "host" (memory) and "disk" (files) for what is offloaded. The masters are
+    always a separate fp32 copy; under "nvme" the masters and moments are files and only the step
+    counters stay in host memory; parameter shards move whole (zero3 only)."""
+    from . import formulas as F  # (formulas imports the strategy config, which imports this module)
+    on_device = F.state_bytes(ps, dp, "adamw" if adam else "sgd")
+    groups = F.flat_groups(ps, dp)
+    real = sum(g.layout.real_len for g in groups)
+    opt = 4 * real + ((F.ADAMW_STATE * real + F.STEP_BYTES * len(groups)) if adam else 0)
+    out = {"params": on_device["params"], "grads": on_device["grads"], "optimizer": 0, "host": 0, "disk": 0}
+    if optimizer == "cpu":
+        out["host"] += opt
+    elif optimizer == "nvme":
+        steps = F.STEP_BYTES * len(groups) if adam else 0
+        out["disk"] += opt - steps
+        out["host"] += steps
+    else:
+        out["optimizer"] = on_device["optimizer"]
+    if params is not None:
+        out["host" if params == "cpu" else "disk"] += out["params"]
+        out["params"] = 0
+    return out
+
+
+def offload_traffic(ps: F.ParamSet, dp: F.DataParallel, optimizer: str | None, params: str | None,
+                    backwards: int = 1, pipeline: bool = False, first_step: bool = False,
+                    adam: bool = True) -> dict[str, int]:
+    """Bytes offloading moves in one optimizer step (what `offload_traffic()` counts): each
+    gradient shard's real part to the host; the new shard back to the device (or its file); under
+    "nvme" the masters read and written (and the moments, except that the first step reads none);
+    under params offload each zero3 gather's shard copied to the device (and read from its file)."""
+    from . import formulas as F
+    groups = F.flat_groups(ps, dp)
+    real = sum(g.layout.real_len for g in groups)
+    out = {"to_device": 0, "to_host": 0, "disk_read": 0, "disk_write": 0}
+    if optimizer is None:
+        return out
+    out["to_host"] += real * dp.grad_bytes
+    if optimizer == "nvme":
+        moments = F.ADAMW_STATE if adam else 0
+        out["disk_read"] += real * (4 + (0 if first_step else moments))
+        out["disk_write"] += real * (4 + moments)
+    if params is None:
+        out["to_device"] += real * dp.param
+        return out
+    if params == "nvme":
+        out["disk_write"] += real * dp.param
+    for g, gathers in zip(groups, F.zero3_gathers(ps, dp, backwards, pipeline)):
+        moved = g.layout.shard_size * dp.param * gathers
+        out["to_device"] += moved
+        if params == "nvme":
+            out["disk_read"] += moved
+    return out

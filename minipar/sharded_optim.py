@@ -1,36 +1,30 @@
 """What every ZeRO stage shares: fp32 master shards, the step on them, loss scaling, and its answers
 to the `minipar.strategy.Strategy` protocol (gradient pieces for the one norm, the optimizer, state).
 
-A stage (``minipar.zero`` for 1 and 2, ``minipar.fsdp`` for 3) cuts the
-parameters into flat groups (`minipar.flat.FlatLayout`) and hands this module
-one `ShardGroup` per group:
+A stage (``minipar.zero`` for 1 and 2, ``minipar.fsdp`` for 3) cuts the parameters into flat
+groups (`minipar.flat.FlatLayout`) and hands this module one `ShardGroup` per group:
 
-* ``shard``: this rank's slice of the parameters in the compute dtype, padded
-  to ``shard_size`` (a view into the full flat parameters for stages 1 and 2,
-  the only copy for stage 3);
-* ``master``: the fp32 real part of that slice, the tensor the optimizer
-  steps. When the compute dtype is fp32 and nothing is offloaded it *is* the
-  shard (a view), so no second copy exists;
-* ``grad_shard``: this rank's slice of the data-parallel mean gradient, in the
-  reduce dtype.
+* ``shard``: this rank's slice of the parameters in the compute dtype, padded to ``shard_size``
+  (a view into the full flat parameters for stages 1 and 2, the only copy for stage 3);
+* ``master``: the fp32 real part of that slice, the tensor the optimizer steps. When the compute
+  dtype is fp32 and nothing is offloaded it *is* the shard (a view): no second copy exists;
+* ``grad_shard``: this rank's slice of the data-parallel mean gradient, in the reduce dtype.
 
-A step: make sure the gradients are reduced (stage 1 reduces now, 2 and 3
-already did in backward), divide out the loss scale, agree on overflow across
-all ranks, step the masters, copy them into the compute shards, and let the
-stage spread the new parameters (stages 1 and 2 all-gather them).
+A step: make sure the gradients are reduced (stage 1 reduces now, 2 and 3 already did in
+backward), divide out the loss scale, agree on overflow across all ranks, step the masters, copy
+them into the compute shards (wherever offload keeps them: `minipar.offload.ShardHomes`), and let
+the stage spread the new parameters (stages 1 and 2 all-gather them). `ShardedOptimizer` is in
+`minipar.sharded_optimizer`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
-from collections import OrderedDict
 from enum import Enum
 from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
-from torch.utils.hooks import RemovableHandle
 
 from . import kernels
 from .comm import AxisGroup
@@ -92,7 +86,7 @@ class ShardedState(Strategy):
         self.groups: list[ShardGroup] = []
         self._sync = True  # False inside no_sync with local accumulation
         self.grad_state = GradState.EMPTY
-        self.optimizer: ShardedOptimizer | None = None
+        self.optimizer: Any = None  # the `ShardedOptimizer`, once built
         self._found_inf = False
         self._shards_written = False  # the fused step wrote the compute shards already
 
@@ -218,7 +212,8 @@ class ShardedState(Strategy):
         if self.unscale_():
             return False
         try:
-            self.nvme.step([g.real_grad for g in self.groups], self._write_shard, self.traffic, self.mesh.device)
+            write = lambda i, lo, values: self.homes.write_shard(self.groups[i], i, lo, values)  # noqa: E731
+            self.nvme.step([g.real_grad for g in self.groups], write, self.traffic, self.mesh.device)
         except OffloadError as e:
             self._disk_error = str(e)  # raised on every rank by finish_step, which every rank reaches
         self._shards_written = True
@@ -234,7 +229,7 @@ class ShardedState(Strategy):
         if not skipped and not written:
             for i, g in enumerate(self.groups):
                 if not self.master_is_shard(g):
-                    self._write_shard(i, 0, g.master.detach())
+                    self.homes.write_shard(g, i, 0, g.master.detach())
         if self.files is not None:
             self._agree_on_disk()
         if not skipped:
@@ -246,22 +241,11 @@ class ShardedState(Strategy):
         """The fp32 master is a view of the compute shard (fp32, nothing offloaded): no copy to make."""
         return self.offload is None and g.master.data_ptr() == g.shard.data_ptr()
 
-    def _write_shard(self, i: int, lo: int, values: torch.Tensor) -> None:
-        self.homes.write_shard(self.groups[i], i, lo, values)
-
     def _agree_on_disk(self) -> None:
         """Every write of this step landed on every rank, or `OffloadError` on every rank."""
-        error, self._disk_error = self._disk_error, None
-        if error is None:
-            try:
-                self.files.wait_writes()
-            except OffloadError as e:
-                error = str(e)
-        errors = self.comm.all_gather_object(error, self.world, tag="offload")
-        failed = [(r, e) for r, e in enumerate(errors) if e is not None]
-        if failed:
-            raise OffloadError("the offloaded state could not be written:\n" +
-                               "\n".join(f"  rank {r}: {e}" for r, e in failed))
+        error, self._disk_error = self._disk_error, None  # (nvme_step's, if it failed)
+        self._agree_io(lambda: self.files.wait_writes() if error is None else _raise(OffloadError(error)),
+                       "the offloaded state could not be written")
 
     def offload_setup(self) -> None:
         """Once the stage made its groups: send the masters (and zero3's shards) to their offload
@@ -281,10 +265,6 @@ class ShardedState(Strategy):
             raise ValueError(error)
         if off.optimizer == "nvme":
             self.nvme = NvmeOptimizer(self.files, [g.master for g in self.groups], off.chunk_elems)
-
-    def shard_on_device(self, i: int, ahead: dict | None = None) -> torch.Tensor:
-        """Group ``i``'s compute shard on the device, for its all-gather (`ShardHomes.to_device`)."""
-        return self.homes.to_device(self.groups[i], i, ahead)
 
     @contextlib.contextmanager
     def offloaded_state(self, write_back: bool = False) -> Iterator[None]:
@@ -312,6 +292,7 @@ class ShardedState(Strategy):
                 self.nvme.store(False)
 
     def _agree_io(self, fn, what: str) -> None:
+        """Run ``fn`` (disk work); `OffloadError` on every rank if it failed on any."""
         error = None
         try:
             fn()
@@ -334,7 +315,8 @@ class ShardedState(Strategy):
                 g.grad_shard.zero_()
         self.grad_state = GradState.EMPTY
 
-    def build_optimizer(self, optimizer_cls: type[torch.optim.Optimizer], **kwargs) -> "ShardedOptimizer":
+    def build_optimizer(self, optimizer_cls: type[torch.optim.Optimizer], **kwargs) -> Any:
+        from .sharded_optimizer import ShardedOptimizer  # (it imports this module's names)
         return ShardedOptimizer(self, optimizer_cls, **kwargs)
 
     @torch.no_grad()
@@ -343,7 +325,7 @@ class ShardedState(Strategy):
         full parameters current. Under optimizer="nvme", call it inside ``offloaded_state``."""
         for i, g in enumerate(self.groups):
             if not self.master_is_shard(g):
-                self._write_shard(i, 0, g.master.detach())
+                self.homes.write_shard(g, i, 0, g.master.detach())
         if self.files is not None:
             self._agree_on_disk()  # before spread_params' all-gather: a rank's failed write raises everywhere
         self.spread_params()
@@ -412,76 +394,5 @@ class ShardedState(Strategy):
         return (self.stage, tuple(g.layout.signature() for g in self.groups))
 
 
-class ShardedOptimizer:
-    """What ``build_optimizer`` returns under ZeRO: a torch optimizer over this rank's fp32 master shards.
-
-    Any ``torch.optim`` class whose state is per element (Adam, AdamW, SGD with
-    momentum, ...) gives the same result as over the full parameters, since
-    each element is updated from its own gradient and state alone.
-    """
-
-    def __init__(self, state: ShardedState, optimizer_cls: type[torch.optim.Optimizer], **kwargs) -> None:
-        if state.offload is not None and not issubclass(optimizer_cls, OFFLOAD_OPTIMIZERS):
-            names = ", ".join(f"torch.optim.{c.__name__}" for c in OFFLOAD_OPTIMIZERS)
-            raise ValueError(f"optimizer offload (cpu_offload=True or offload=Offload(...)) supports {names}; got "
-                             f"{optimizer_cls.__name__}. Use one of those, or no offload")
-        self.state = state
-        self.optimizer = optimizer_cls([g.master for g in state.groups], **kwargs)
-        state.optimizer = self
-        if state.nvme is not None:  # the per-element state gets its files: on every rank, or all raise
-            error = None
-            try:
-                state.nvme.build(self.optimizer)
-            except Exception as e:  # noqa: BLE001 -- one rank's failure must reach every rank, not hang them
-                error = f"reserving the optimizer state's files under {state.offload.path}: {e}; free space there " \
-                        "or offload to 'cpu'"
-            agree(state.mesh, "build_optimizer with Offload(optimizer='nvme')", error)
-        self._step_hooks: OrderedDict[int, Any] = OrderedDict()  # weakly referenced by RemovableHandle
-
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.optimizer.param_groups
-
-    def step(self) -> bool:
-        """One optimizer step; returns False when it was skipped for a non-finite gradient.
-
-        Adam/AdamW on a GPU (or under the Triton interpreter) step through the fused
-        kernel; everything else through the torch optimizer. Both keep torch's state format.
-        """
-        if self.state.nvme is not None:
-            stepped = self.state.nvme_step()
-        elif self.state.can_fuse(self.optimizer):
-            stepped = self.state.fused_step(self.optimizer)
-        else:
-            stepped = not self.state.prepare_step()
-            if stepped:
-                self.optimizer.step()
-        self.state.finish_step(not stepped)
-        for hook in list(self._step_hooks.values()):
-            hook(self, (), {})
-        return stepped
-
-    def register_step_post_hook(self, hook) -> RemovableHandle:
-        """As ``torch.optim.Optimizer``'s: ``hook(optimizer, args, kwargs)`` after every step."""
-        handle = RemovableHandle(self._step_hooks)
-        self._step_hooks[handle.id] = hook
-        return handle
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.state.zero_grad()
-
-    def state_dict(self) -> dict:
-        with self.state.offloaded_state():
-            optimizer = self.optimizer.state_dict()
-            if self.state.nvme is not None:  # its per-element tensors leave memory with the block
-                optimizer = copy.deepcopy(optimizer)
-        return {"optimizer": optimizer, "scaler": self.state.scaler.state_dict(),
-                "layout": self.state.layout_signature()}
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        if state_dict["layout"] != self.state.layout_signature():
-            raise ValueError("this optimizer state was saved under another sharding layout (stage, world size, "
-                             "bucket size or model); load it into a ShardedModule built the same way")
-        with self.state.offloaded_state(write_back=True):
-            self.optimizer.load_state_dict(state_dict["optimizer"])
-        self.state.scaler.load_state_dict(state_dict["scaler"])
+def _raise(error: Exception) -> None:
+    raise error

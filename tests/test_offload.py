@@ -2,8 +2,8 @@
 
 Offloading moves state, never arithmetic, so the proof is bitwise: every layout below trains
 exactly as the same run without offload (which the ZeRO tests prove equal to one process), in
-fp32 and in bf16. In the same runs the device/host/disk bytes equal `formulas.offload_state_bytes`
-and the bytes moved per step equal `formulas.offload_traffic`. Then: checkpoints with offloaded
+fp32 and in bf16. In the same runs the device/host/disk bytes equal `offload.offload_state_bytes`
+and the bytes moved per step equal `offload.offload_traffic`. Then: checkpoints with offloaded
 state, the chunked step's bounded reads, and every way a disk can fail.
 """
 
@@ -17,11 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 
+import minipar.disk as disk_module
 import minipar.offload as offload_module
 from minipar import Mesh, MixedPrecision, Offload, OffloadError, ShardedModule, checkpoint
 from minipar import formulas as F
 from minipar.models import GPT, GPTConfig, gpt_loss
-from minipar.offload import check_path
+from minipar.offload import check_path, offload_state_bytes, offload_traffic
 
 from helpers import EPS, LR, WD, batches
 
@@ -108,12 +109,12 @@ def test_offload_changes_nothing_but_where_state_lives(pools, tmp_path, world, s
             assert torch.equal(out["params"][k], base["params"][k]), k
         ps = _paramset(out)
         dp = F.DataParallel(strategy, world, param=pb, bucket_cap_mb=2e-3, rank=out["dp_rank"])
-        assert out["memory"] == F.offload_state_bytes(ps, dp, opt_where, params_where), out["memory"]
+        assert out["memory"] == offload_state_bytes(ps, dp, opt_where, params_where), out["memory"]
         assert out["memory"]["optimizer"] == 0 and out["memory"]["host"] > 0
         assert out["memory"]["params"] == (0 if params_where else base["memory"]["params"])
         assert out["memory"]["grads"] == base["memory"]["grads"]
         for s, moved in enumerate(out["traffic"]):
-            assert moved == F.offload_traffic(ps, dp, opt_where, params_where, backwards=2, first_step=s == 0), \
+            assert moved == offload_traffic(ps, dp, opt_where, params_where, backwards=2, first_step=s == 0), \
                 (s, moved)
         if opt_where == "nvme":
             groups = F.flat_groups(ps, dp)
@@ -127,10 +128,10 @@ def test_offload_formulas_at_scale():
     ps = F.ParamSet.of_sizes([[(7_000_000_000 // 32, False)]] * 32, [])
     dp = F.DataParallel("zero3", 64, param=2)
     none = F.state_bytes(ps, dp)
-    full = F.offload_state_bytes(ps, dp, "nvme", "nvme")
+    full = offload_state_bytes(ps, dp, "nvme", "nvme")
     assert full["params"] == 0 and full["optimizer"] == 0 and full["grads"] == none["grads"]
     assert full["disk"] == none["params"] + none["optimizer"] - 4 * len(F.flat_groups(ps, dp))
-    cpu = F.offload_state_bytes(ps, dp, "cpu", None)
+    cpu = offload_state_bytes(ps, dp, "cpu", None)
     assert cpu["host"] == none["optimizer"] and cpu["params"] == none["params"]
 
 
@@ -196,7 +197,7 @@ def _setup_on_a_full_disk(ctx, root, which):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real(fd, offset, n)
     if ctx.rank == 1:
-        offload_module.os.posix_fallocate = full
+        disk_module.os.posix_fallocate = full
     try:
         model = ShardedModule(GPT(GPTConfig(**CFG)), mesh=mesh, strategy="zero3",
                               offload=Offload(optimizer="nvme", params="nvme", path=root))
@@ -206,7 +207,7 @@ def _setup_on_a_full_disk(ctx, root, which):
     except ValueError as e:
         error = str(e)
     finally:
-        offload_module.os.posix_fallocate = real
+        disk_module.os.posix_fallocate = real
     mesh.destroy()
     return error, names
 
@@ -239,12 +240,12 @@ def _step_on_a_full_disk(ctx, root, ckpt):
     opt.zero_grad()
     checkpoint.save(ckpt, model, opt)
     saved = {k: v.clone() for k, v in model.full_state_dict().items()}
-    real = offload_module._pwrite
+    real = disk_module._pwrite
 
     def full(fd, data, offset):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     if ctx.rank == 1:
-        offload_module._pwrite = full
+        disk_module._pwrite = full
     error = None
     try:
         model.train_step(x[1, :, :-1], x[1, :, 1:], gpt_loss)
@@ -252,7 +253,7 @@ def _step_on_a_full_disk(ctx, root, ckpt):
     except OffloadError as e:
         error = str(e)
     finally:
-        offload_module._pwrite = real
+        disk_module._pwrite = real
     opt.zero_grad()
     checkpoint.load(ckpt, model, opt)  # what the error says to do, into the same model
     recovered = {k: v.clone() for k, v in model.full_state_dict().items()}
@@ -412,7 +413,7 @@ def _train_layout(ctx, sizes, strategy, opt_where, params_where, root, options):
         moved.append({k: after[k] - before[k] for k in after})
     ps = F.ParamSet.of(model.module)
     dp = F.DataParallel(strategy, mesh.dp, param=4, rank=mesh.dp_rank, reshard_after_forward=mesh.pp == 1)
-    expected = [F.offload_traffic(ps, dp, opt_where, params_where, pipeline=mesh.pp > 1, first_step=s == 0)
+    expected = [offload_traffic(ps, dp, opt_where, params_where, pipeline=mesh.pp > 1, first_step=s == 0)
                 for s in range(3)] if opt_where else None
     out = dict(params={k: v.clone() for k, v in model.full_state_dict().items()}, moved=moved, expected=expected)
     mesh.destroy()
