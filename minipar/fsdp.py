@@ -42,6 +42,7 @@ every rank otherwise).
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Callable
@@ -53,7 +54,7 @@ from torch.utils._pytree import tree_flatten
 
 from .checks import SameUnits
 from .flat import FlatLayout, ShardGroup
-from .grad_buckets import EndOfBackward, GradStaging, LaunchOrder
+from .grad_buckets import EndOfBackward, GradStaging, LaunchOrder, owner
 from .mesh import Mesh
 from .precision import MixedPrecision
 from .offload import Offload
@@ -143,13 +144,13 @@ class Zero3(ShardedState):
         self._last_fwd_order: list[Unit] = []
         self.end_of_backward = EndOfBackward(self._finish_backward)
         self._hooks = []
-        for u in self.units:
+        for k, u in enumerate(self.units):
             if not u.is_root:
                 self._hooks.append(u.module.register_forward_pre_hook(self._forward_pre_hook(u)))
                 self._hooks.append(u.module.register_forward_hook(self._forward_hook(u)))
-            for part in u.parts:
+            for j, part in enumerate(u.parts):
                 for i, p in enumerate(part.group.layout.params):
-                    self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook(u, part, i)))
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook(k, j, i)))
         self._hooks.append(module.register_forward_pre_hook(self._root_pre_forward))
         self._hooks.append(module.register_forward_hook(self._root_post_forward))
         self._root = next((u for u in self.units if u.is_root), None)
@@ -263,8 +264,16 @@ class Zero3(ShardedState):
             self.unshard(prev, async_op=True)
             self._read_ahead(_following(backward_order, prev))
 
-    def _grad_hook(self, u: Unit, part: Part, i: int) -> Callable:
+    def _grad_hook(self, k: int, j: int, i: int) -> Callable:
+        """Parameter i of part j of unit k: held by index and the strategy weakly, since whatever the
+        hook holds lives as long as the parameter (a cycle through a tensor is never collected:
+        `grad_buckets.owner`)."""
+        strategy = weakref.ref(self)
+
         def hook(p: nn.Parameter) -> None:
+            self = owner(strategy)
+            u = self.units[k]
+            part = u.parts[j]
             self.end_of_backward.arm()
             u.received += 1
             if self._sync:

@@ -23,7 +23,8 @@ callback (`EndOfBackward`, also ZeRO-3's) launches the rest and waits.
 
 from __future__ import annotations
 
-from typing import Callable
+import weakref
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -49,6 +50,25 @@ class EndOfBackward:
     def _run(self) -> None:
         self.armed = False
         self.fn()
+
+
+def owner(ref: weakref.ref) -> Any:
+    """The strategy behind a parameter hook's weak reference.
+
+    Hooks on parameters hold their strategy weakly. A parameter keeps its hooks
+    as long as it lives and a strategy keeps its parameters, so a strong
+    reference back would close a cycle through a tensor, which Python's
+    collector does not break (torch does not traverse the hooks of a tensor
+    that C++ also holds): every model wrapped in a process would outlive its
+    last reference, with its process groups and their threads. A gradient that
+    arrives after the strategy is gone is a model trained without its wrapper,
+    and would silently skip synchronisation: it raises instead.
+    """
+    obj = ref()
+    if obj is None:
+        raise RuntimeError("a gradient reached a parameter whose minipar strategy no longer exists: keep the "
+                           "ShardedModule (or its optimizer) alive for as long as you train the model it wraps")
+    return obj
 
 
 class StagingPool:
@@ -256,11 +276,15 @@ class BucketHooks:
     def _hook_buckets(self, comm: Comm, window: int | None) -> None:
         self.order = LaunchOrder(self.buckets, comm, window)
         self.end_of_backward = EndOfBackward(self._finish_backward)
-        self._hooks = [p.register_post_accumulate_grad_hook(self._bucket_hook(b, i))
-                       for b in self.buckets for i, p in enumerate(b.params)]
+        self._hooks = [p.register_post_accumulate_grad_hook(self._bucket_hook(k, i))
+                       for k, b in enumerate(self.buckets) for i, p in enumerate(b.params)]
 
-    def _bucket_hook(self, bucket, i: int) -> Callable[[nn.Parameter], None]:
+    def _bucket_hook(self, k: int, i: int) -> Callable[[nn.Parameter], None]:
+        strategy = weakref.ref(self)  # nothing that holds the parameter: see `owner`
+
         def hook(p: nn.Parameter) -> None:
+            self = owner(strategy)
+            bucket = self.buckets[k]
             if self._keeps_local(bucket, i):
                 return
             self.end_of_backward.arm()

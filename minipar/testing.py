@@ -83,11 +83,42 @@ def _worker(rank: int, world_size: int, port: int, backend: str, timeout_s: floa
             out = (task_id, rank, True, fn(ctx, *args, **kwargs))
         except BaseException:  # report everything, KeyboardInterrupt included: the parent decides
             out = (task_id, rank, False, traceback.format_exc())
+        _free_task_groups(dist)
+        if os.environ.get("MINIPAR_THREADLOG"):
+            n = int(open(f"/proc/{os.getpid()}/status").read().split("Threads:")[1].split()[0])
+            with open(os.environ["MINIPAR_THREADLOG"], "a") as f:
+                f.write(f"{world_size} {rank} {n} {getattr(fn, '__module__', '?')}.{getattr(fn, '__name__', '?')}\n")
+        if os.environ.get("MINIPAR_THREADLOG"):
+            n = int(open(f"/proc/{os.getpid()}/status").read().split("Threads:")[1].split()[0])
+            with open(os.environ["MINIPAR_THREADLOG"], "a") as f:
+                f.write(f"{world_size} {rank} {n} {getattr(fn, '__module__', '?')}.{getattr(fn, '__name__', '?')}\n")
         try:
             results.put(pickle.dumps(out))
         except Exception:
             results.put(pickle.dumps((task_id, rank, False, "result could not be pickled:\n" + traceback.format_exc())))
     dist.destroy_process_group()
+
+
+def _free_task_groups(dist) -> None:
+    """Destroy every process group a task left behind (all but the world).
+
+    A test that builds a `Mesh` and never calls ``destroy()`` (most do not: the
+    function returns and its objects are garbage) would otherwise leave each of
+    its groups registered with torch, and so alive, in the reused rank process:
+    per gloo group a transport loop thread and two worker threads. Thousands of
+    them accumulated over a session woke each other ~190,000 times a second and
+    took two thirds of the machine in the kernel. Destroying a gloo group is
+    local to the rank (no collective), so the ranks need not agree on the order;
+    the group's threads stop when its last reference goes, with the task's
+    objects (strategies hold nothing in cycles through tensors: see
+    ``grad_buckets.owner``).
+    """
+    registry = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_map", None)
+    if registry is None:  # torch moved its registry: leave the groups (slower, never wrong)
+        return
+    for pg in list(registry):
+        if pg is not dist.group.WORLD:
+            dist.destroy_process_group(pg)
 
 
 class RankPool:
