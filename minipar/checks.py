@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 
 from .mesh import Mesh
+from .syncs import read_on_host
 
 _SHAPE_DIMS = 4  # batch shapes compared: up to this many dims (ids are (batch, seq))
 
@@ -85,16 +86,12 @@ def check_batch(mesh: Mesh, inputs: Any, targets: Any, vocab_size: int | None, b
     mine = [0, 0, 0, 0, 0, 0]
     ids = inputs if torch.is_tensor(inputs) and not inputs.is_floating_point() else None
     tgt = targets if torch.is_tensor(targets) and not targets.is_floating_point() else None
-    flags = []
+    here = next((t.device for t in (ids, tgt) if t is not None), torch.device("cpu"))  # the flags stay with the batch
+    flags = [torch.tensor(False, device=here), torch.tensor(False, device=here)]
     if vocab_size is not None and ids is not None and ids.numel():
-        flags.append((ids.min() < 0) | (ids.max() >= vocab_size))
-    else:
-        flags.append(torch.tensor(False, device=mesh.device))
+        flags[0] = (ids.min() < 0) | (ids.max() >= vocab_size)
     if vocab_size is not None and tgt is not None and tgt.numel():
-        bad = (tgt != ignore_index) & ((tgt < 0) | (tgt >= vocab_size))
-        flags.append(bad.any())
-    else:
-        flags.append(torch.tensor(False, device=mesh.device))
+        flags[1] = ((tgt != ignore_index) & ((tgt < 0) | (tgt >= vocab_size))).any()
     seq = ids.shape[1] if ids is not None and ids.dim() >= 2 else 0
     mine[2] = int(block_size is not None and seq > block_size)
     if ids is not None and tgt is not None and ids.shape != tgt.shape:
@@ -104,12 +101,17 @@ def check_batch(mesh: Mesh, inputs: Any, targets: Any, vocab_size: int | None, b
     mine[5] = int(lead is not None and lead.dim() >= 2 and lead.shape[1] % seq_shards != 0)
     shapes = [list(t.shape)[:_SHAPE_DIMS] + [-1] * (_SHAPE_DIMS - min(t.dim(), _SHAPE_DIMS)) if torch.is_tensor(t)
               else [-2] * _SHAPE_DIMS for t in (inputs, targets)]
-    # the range flags stay on the device (no sync); the rest travels in one host-to-device copy
-    local = torch.cat([torch.stack(flags).to(mesh.device, torch.int64),
-                       torch.tensor(mine[2:] + shapes[0] + shapes[1] + [active], device=mesh.device)])
-    everyone = torch.empty(mesh.world_size * local.numel(), dtype=torch.int64, device=mesh.device)
-    mesh.comm.all_gather(everyone, local, mesh.world, tag="batch_check")
-    rows = everyone.view(mesh.world_size, -1).tolist()  # one host sync per step
+    if mesh.world_size == 1:  # nothing to agree on: read the range flags where they are (free on the host)
+        both = torch.stack(flags).to(torch.int64)
+        rows = [(read_on_host(both) if here.type == "cpu" else both.tolist())  # a device batch: one host sync
+                + mine[2:] + shapes[0] + shapes[1] + [active]]
+    else:
+        # the range flags stay on the device (no sync); the rest travels in one host-to-device copy
+        local = torch.cat([torch.stack(flags).to(mesh.device, torch.int64),
+                           torch.tensor(mine[2:] + shapes[0] + shapes[1] + [active], device=mesh.device)])
+        everyone = torch.empty(mesh.world_size * local.numel(), dtype=torch.int64, device=mesh.device)
+        mesh.comm.all_gather(everyone, local, mesh.world, tag="batch_check")
+        rows = everyone.view(mesh.world_size, -1).tolist()  # one host sync per step
     flags = [row.pop() for row in rows]
     lost = [r for r, f in enumerate(flags) if f < 0]
     if lost:

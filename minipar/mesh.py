@@ -92,6 +92,7 @@ class Mesh:
         self.comm = Comm()
 
         self._groups: dict[str, AxisGroup] = {}
+        self._rank_lists: dict[str, list[list[int]]] = {}
         self._owned_pgs: list = []
         self._twins: dict[tuple, object] = {}  # process groups by (rank lists, backend)
         self.world = AxisGroup("world", tuple(range(world_size)), rank, dist.group.WORLD if world_size > 1 else None)
@@ -145,9 +146,12 @@ class Mesh:
         return AxisGroup(axis, base.ranks, base.rank, self._twins[key])
 
     def rank_lists(self, axis: str) -> list[list[int]]:
-        """Every group of ``axis`` on this mesh, as lists of global ranks (`axis_rank_lists`)."""
-        return axis_rank_lists(axis, dp=self.dp, tp=self.tp, pp=self.pp, ep=self.ep, dp_shard=self.dp_shard,
-                               cp=self.cp)
+        """Every group of ``axis`` on this mesh, as lists of global ranks (`axis_rank_lists`); computed
+        once per axis (the batch check asks every step)."""
+        if axis not in self._rank_lists:
+            self._rank_lists[axis] = axis_rank_lists(axis, dp=self.dp, tp=self.tp, pp=self.pp, ep=self.ep,
+                                                     dp_shard=self.dp_shard, cp=self.cp)
+        return [list(ranks) for ranks in self._rank_lists[axis]]
 
     @property
     def grad_axis(self) -> str:
@@ -206,7 +210,9 @@ def init(dp: int | None = None, tp: int = 1, pp: int = 1, ep: int = 1, backend: 
     Reads the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
     MASTER_PORT); without it, starts a world of one. The backend is nccl when
     every local rank has its own GPU, else gloo; ``backend`` or the environment
-    variable MINIPAR_BACKEND overrides.
+    variable MINIPAR_BACKEND overrides. Under gloo ranks compute on the CPU, or on
+    the GPUs with MINIPAR_DEVICE=cuda (local rank modulo the GPU count: several
+    ranks may share one).
     """
     timeout = as_timeout(timeout)
     if not dist.is_initialized():
@@ -218,8 +224,11 @@ def init(dp: int | None = None, tp: int = 1, pp: int = 1, ep: int = 1, backend: 
             backend = "nccl" if gpus >= local_world else "gloo"
         if backend not in ("nccl", "gloo"):
             raise ValueError(f"backend {backend!r} is not supported; use 'nccl' or 'gloo'")
-        if backend == "nccl":
-            torch.cuda.set_device(local_rank)
+        if backend == "nccl" or os.environ.get("MINIPAR_DEVICE") == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(f"backend {backend} with MINIPAR_DEVICE={os.environ.get('MINIPAR_DEVICE', 'unset')} "
+                                 "needs a GPU and torch sees none; use MINIPAR_BACKEND=gloo and unset MINIPAR_DEVICE")
+            torch.cuda.set_device(local_rank % torch.cuda.device_count())
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             dist.init_process_group(backend, store=_restart_store(), rank=int(os.environ["RANK"]),
                                     world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
@@ -304,8 +313,14 @@ def axis_rank_lists(axis: str, *, dp: int, tp: int = 1, pp: int = 1, ep: int = 1
 
 
 def _default_device() -> torch.device:
+    """cuda under nccl; under gloo the CPU, or the GPU when MINIPAR_DEVICE=cuda (gloo carries CUDA
+    tensors too: several ranks can then share one GPU, which nccl refuses)."""
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
+    if os.environ.get("MINIPAR_DEVICE", "cpu") == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("MINIPAR_DEVICE=cuda, but torch sees no GPU here; unset it to compute on the CPU")
+        return torch.device("cuda", torch.cuda.current_device())  # init set it from the local rank
     return torch.device("cpu")
 
 

@@ -43,6 +43,7 @@ from .pipeline.spec import find
 from .pipeline.step import Pipeline, PipelineConfig
 from .precision import FP32
 from .strategy import DataParallelConfig, Strategy
+from .syncs import to_device
 from .tensor_parallel import TensorParallelConfig, check_plan, mark_sequence_parallel, parallelize, vocab_parallel_cross_entropy
 from .zero import Zero1, Zero2
 
@@ -253,7 +254,8 @@ class ShardedModule(nn.Module):
 
         The batch is checked first, on every rank (`minipar.checks.check_batch`: ids and targets in
         the vocabulary, ``-100`` ignored; the sequence within the block size; the same shape on tp
-        and pp peers). The global loss is the mean of the data-parallel ranks' losses: the
+        and pp peers), where it is given: a batch on the host is checked there and then copied to
+        ``mesh.device`` (on one GPU the step then never waits for the device, `minipar.syncs`). The global loss is the mean of the data-parallel ranks' losses: the
         loss of the global batch when every rank holds the same number of samples.
         The optimizer step is left to the caller. Under pipeline parallelism the
         batch is cut into micro-batches and run by the schedule (`minipar.pipeline.step`).
@@ -264,6 +266,7 @@ class ShardedModule(nn.Module):
         flags = check_batch(self.mesh, inputs, targets, self._vocab_size, self._block_size, active=active,
                             microbatches=self.pipeline.microbatches if self.pipeline is not None else 1,
                             seq_shards=self._seq_shards, seq_shards_why=self._seq_shards_why)
+        inputs, targets = to_device((inputs, targets), self.mesh.device)  # a host batch: checked there, for free
         if self.context is not None:  # each cp rank keeps its tokens; the loss is weighted to stay the mean
             inputs, targets, loss_fn = self.context.split(inputs, targets, loss_fn)
         if self._join is not None:  # uneven data (`minipar.join`): None once no rank trains any more

@@ -2,7 +2,8 @@
 
 A `RankPool` starts ``world_size`` processes once (spawned, one thread each),
 initialises torch.distributed among them (gloo on CPU; nccl with one GPU per
-rank when asked for and available), then waits for work. ``pool.run(fn, *args)``
+rank when asked for and available, MINIPAR_TEST_BACKEND=nccl; gloo ranks
+sharing the GPUs with MINIPAR_TEST_DEVICE=cuda), then waits for work. ``pool.run(fn, *args)``
 sends ``fn`` to every rank, calls ``fn(ctx, *args)`` there with a `RankContext`,
 and returns the list of every rank's result. Sending a function costs a pickle
 and a queue round trip -- milliseconds -- so hypothesis can run many examples
@@ -45,7 +46,7 @@ class RankContext:
     rank: int
     world_size: int
     backend: str
-    device: str  # "cpu" or "cuda:<rank>"
+    device: str  # "cpu", or "cuda:<gpu>" (nccl, or gloo with MINIPAR_TEST_DEVICE=cuda)
 
 
 class RankError(RuntimeError):
@@ -64,9 +65,12 @@ def _worker(rank: int, world_size: int, port: int, backend: str, timeout_s: floa
 
     torch.set_num_threads(1)
     device = "cpu"
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-        device = f"cuda:{rank}"
+    if backend == "nccl" or os.environ.get("MINIPAR_TEST_DEVICE") == "cuda":
+        # nccl: one GPU per rank. gloo with MINIPAR_TEST_DEVICE=cuda: the ranks share the GPUs (nccl
+        # refuses two ranks on one GPU), and Mesh() computes there too (MINIPAR_DEVICE, minipar.mesh).
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        device = f"cuda:{rank % torch.cuda.device_count()}"
+        os.environ["MINIPAR_DEVICE"] = "cuda"
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,

@@ -58,6 +58,18 @@ def pytest_collection_finish(session):
             {str(item.path) for item in session.items if item.name == "test_triton_kernels_under_interpreter"})
 
 
+@pytest.fixture(autouse=True)
+def _kernel_tests_on_the_gpu(request):
+    """MINIPAR_TEST_DEVICE=cuda (benchmarks/gpu_report.py): the Triton tests' tensors go to the GPU
+    (kernel_testing.OnDevice), so the kernels run compiled there."""
+    if os.environ.get("MINIPAR_TEST_DEVICE") != "cuda" or request.node.get_closest_marker("triton") is None:
+        yield
+        return
+    from kernel_testing import OnDevice
+    with OnDevice("cuda"):
+        yield
+
+
 @pytest.fixture(scope="session")
 def pools():
     """``pools.run(world_size, fn, *args)`` -> every rank's ``fn(ctx, *args)``; pools live for the session."""

@@ -16,25 +16,46 @@ judges its own module's tests, from the child's JUnit report.
 bf16 is judged against an fp32 reference (`lowp_ok`): the kernel's error may be
 at most PyTorch's own bf16 error on the same input, or one rounding of the
 exact result to bf16 where PyTorch is luckier, plus a small absolute term.
+
+On a GPU (``MINIPAR_TEST_DEVICE=cuda``, what ``benchmarks/gpu_report.py`` sets)
+the same tests run compiled, not interpreted: select them with ``-m triton``.
+Each builds its inputs on the CPU as everywhere else (the same values, from the
+same CPU generators) and `OnDevice` moves every tensor a factory function
+creates to the GPU, so the kernels, the PyTorch path they are compared with and
+the references all run there.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import subprocess
 import sys
 import tempfile
+from unittest import mock
 from xml.etree import ElementTree
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from minipar import kernels
 
 INTERPRETING = kernels.interpreting()
-interpreted = pytest.mark.skipif(not INTERPRETING, reason="runs in this module's TRITON_INTERPRET=1 child pytest "
-                                                          "(test_triton_kernels_under_interpreter)")
+ON_GPU = os.environ.get("MINIPAR_TEST_DEVICE") == "cuda"
+if ON_GPU and not torch.cuda.is_available():
+    raise RuntimeError("MINIPAR_TEST_DEVICE=cuda, but torch sees no GPU: unset it to test on the CPU")
+_ONLY_THERE = pytest.mark.skipif(not (INTERPRETING or ON_GPU),
+                                 reason="runs in this module's TRITON_INTERPRET=1 child pytest "
+                                        "(test_triton_kernels_under_interpreter), or compiled with "
+                                        "MINIPAR_TEST_DEVICE=cuda -m triton on a GPU")
+
+
+def interpreted(test):
+    """Marks a test of the Triton kernels: it runs under the interpreter (the child pytest) or compiled
+    on a GPU (``-m triton``), never on the parent's PyTorch path."""
+    return pytest.mark.triton(_ONLY_THERE(test))
 
 
 # The kernel test modules whose parent test this session runs (conftest.pytest_collection_finish).
@@ -47,8 +68,8 @@ _REPORTS: dict[str, str] = {}  # module stem -> the tail of the output of the ch
 def run_interpreted(test_file: str) -> None:
     """``test_file``'s tests, run in a child pytest with TRITON_INTERPRET=1 (one child for every
     kernel module of the session, started by the first parent test): all pass, none skip."""
-    if INTERPRETING:
-        pytest.skip("this is the child process already")
+    if INTERPRETING or ON_GPU:
+        pytest.skip("this is the child process already" if INTERPRETING else "compiled on the GPU instead (-m triton)")
     stem = pathlib.Path(test_file).stem
     if stem not in _REPORTS:
         _run_child(sorted({test_file, *(f for f in SESSION_FILES if pathlib.Path(f).stem not in _REPORTS)}))
@@ -82,6 +103,41 @@ def _run_child(files: list[str]) -> None:
         _REPORTS[stem] = report
         if child.returncode not in (0, 1):  # interrupted, internal error, usage error: trust no outcome
             _OUTCOMES[stem].append(("<child run>", "failed", f"exit status {child.returncode}"))
+
+
+_FACTORIES = {torch.randn, torch.rand, torch.randint, torch.randperm, torch.zeros, torch.ones, torch.empty,
+              torch.full, torch.arange, torch.linspace, torch.eye, torch.tensor, torch.as_tensor, torch.from_numpy,
+              torch.empty_strided}
+
+
+class OnDevice(TorchFunctionMode):
+    """Every tensor a factory function makes without a ``device=`` goes to ``device`` (a leaf stays
+    a leaf: ``requires_grad`` is set after the move)."""
+
+    def __init__(self, device: str) -> None:
+        super().__init__()
+        self.device = torch.device(device)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func not in _FACTORIES or kwargs.get("device") is not None:
+            return func(*args, **kwargs)
+        requires_grad = kwargs.pop("requires_grad", False)
+        out = func(*args, **kwargs)
+        if torch.is_tensor(out) and out.device != self.device:
+            out = out.to(self.device)
+        return out.requires_grad_(requires_grad) if requires_grad else out
+
+
+@contextlib.contextmanager
+def pytorch_path():
+    """Inside: the dispatch rule picks PyTorch for every tensor, in the interpreted child and on a GPU
+    alike (TRITON_INTERPRET=0, MINIPAR_KERNELS=torch; it reads them at every call); on leaving,
+    asserts that no Triton kernel launched."""
+    before = sum(kernels.launches.values())
+    with mock.patch.dict(os.environ, {"TRITON_INTERPRET": "0", "MINIPAR_KERNELS": "torch"}):
+        yield
+    assert sum(kernels.launches.values()) == before, "the PyTorch path launched a Triton kernel"
 
 
 class launched:

@@ -9,8 +9,6 @@ fp16 results are judged against an fp32 reference of the same inputs
 from __future__ import annotations
 
 import contextlib
-import os
-from unittest import mock
 
 import pytest
 import torch
@@ -20,7 +18,7 @@ from hypothesis import given, settings, strategies as st
 from minipar import kernels
 from minipar.kernels.activation import gelu, swiglu
 
-from kernel_testing import interpreted, launched, lowp_ok, run_interpreted
+from kernel_testing import interpreted, launched, lowp_ok, pytorch_path, run_interpreted
 
 # Element counts: anything up to 5000, the block edges (1024 per program) with 1-element tails,
 # and matrices (any count up to 4900) so a transposed layout is really non-contiguous.
@@ -33,15 +31,6 @@ LOWP = [torch.bfloat16, torch.float16]
 def test_triton_kernels_under_interpreter():
     """This module's interpreted tests, in a TRITON_INTERPRET=1 child: all pass, none skip."""
     run_interpreted(__file__)
-
-
-@contextlib.contextmanager
-def pytorch_path():
-    """Force the PyTorch path (in the parent and in the interpreted child alike); assert it launched nothing."""
-    before = sum(kernels.launches.values())
-    with mock.patch.dict(os.environ, {"TRITON_INTERPRET": "0"}):
-        yield
-    assert sum(kernels.launches.values()) == before
 
 
 def make(shape: tuple, layout: str, amp: float, g: torch.Generator, dtype: torch.dtype) -> torch.Tensor:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import os
 from unittest import mock
 
 import pytest
@@ -22,7 +21,7 @@ from hypothesis import given, settings, strategies as st
 from minipar import kernels
 from minipar.kernels.adamw import adamw_step_, fused_step, supports
 
-from kernel_testing import interpreted, launched, run_interpreted
+from kernel_testing import interpreted, launched, pytorch_path, run_interpreted
 
 KERNEL = "adamw_step_kernel"
 # Sizes around the kernel's block of 1024 (one-element tails) and arbitrary ones, up to three blocks.
@@ -40,11 +39,6 @@ CLOSE = dict(rtol=1e-6, atol=1e-6)
 def test_triton_kernels_under_interpreter():
     """This module's interpreted tests, in a TRITON_INTERPRET=1 child: all pass, none skip."""
     run_interpreted(__file__)
-
-
-def torch_path():
-    """Within: the dispatch rule picks PyTorch for CPU tensors, also in the interpreter child."""
-    return mock.patch.dict(os.environ, {"TRITON_INTERPRET": "0"})
 
 
 # ----------------------------------------------------------------------------- fused_step against torch.optim
@@ -124,7 +118,7 @@ optimizer_cases = dict(kind=st.sampled_from(["adamw", "adam", "adam_decoupled"])
 def test_torch_path_equals_torch_optim(kind, n_sizes, lr, betas, eps, wd, seed):
     """On CPU without the interpreter: fused_step launches nothing and equals torch.optim bitwise."""
     before = sum(kernels.launches.values())
-    with torch_path():
+    with pytorch_path():
         check_against_torch_optim(kind, n_sizes, lr, betas, eps, wd, seed, exact=True)
     assert sum(kernels.launches.values()) == before
 
@@ -161,7 +155,7 @@ def test_kernel_matches_torch_path(n, grad_dtype, out_dtype, decoupled, wd, step
 
     with launched(KERNEL):
         p, m1, v1, out = run(grad)
-    with torch_path():
+    with pytorch_path():
         want = run(grad.float())  # the fp32 reference fed the same gradient, upcast
     for got, ref in zip((p, m1, v1), want):
         torch.testing.assert_close(got, ref, **CLOSE)
@@ -182,7 +176,7 @@ def test_torch_path_upcasts_and_copies():
         for gr in (grad, grad.float()):
             p, m, v = param.clone(), torch.zeros(1025), torch.zeros(1025)
             out = torch.empty(1025, dtype=out_dtype)
-            with torch_path():
+            with pytorch_path():
                 adamw_step_(p, gr, m, v, step=3, lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1,
                             out=out)
             assert torch.equal(out, p.to(out_dtype))
@@ -206,7 +200,7 @@ def test_step_count_follows_the_tensor():
         reads.append(t)
         return real_item(t)
 
-    with torch_path():
+    with pytorch_path():
         for step in range(8):
             if step == 3:  # jump to just below 2**24, where the fp32 count stops increasing
                 for o in (opt, ref_opt):
@@ -238,7 +232,7 @@ def test_state_format_matches_torch():
         for _ in range(3):
             grad = torch.randn(5)
             mine.grad, ref.grad = grad.clone(), grad.clone()
-            with torch_path():
+            with pytorch_path():
                 fused_step(opt)
             ref_opt.step()
         torch.testing.assert_close(mine, ref)  # torch's fused kernel rounds its own way

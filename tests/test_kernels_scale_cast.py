@@ -10,8 +10,6 @@ path is held to the same definition.
 from __future__ import annotations
 
 import contextlib
-import os
-from unittest import mock
 
 import pytest
 import torch
@@ -20,7 +18,7 @@ from hypothesis import given, settings, strategies as st
 from minipar import kernels
 from minipar.kernels.scale_cast import scale_cast_
 
-from kernel_testing import interpreted, launched, run_interpreted
+from kernel_testing import interpreted, launched, pytorch_path, run_interpreted
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 # name: (src dtype, dst dtype, in place)
@@ -42,13 +40,6 @@ def launches_nothing():
     before = sum(kernels.launches.values())
     yield
     assert sum(kernels.launches.values()) == before
-
-
-@contextlib.contextmanager
-def pytorch_path():
-    """Force the PyTorch path (in the parent and in the interpreted child alike); assert it launched nothing."""
-    with launches_nothing(), mock.patch.dict(os.environ, {"TRITON_INTERPRET": "0"}):
-        yield
 
 
 def path(n: int, triton: bool):

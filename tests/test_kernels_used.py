@@ -19,7 +19,6 @@ be compared step for step:
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 
@@ -27,26 +26,12 @@ from minipar import Mesh, MixedPrecision, ShardedModule, kernels
 from minipar.models import GPT, GPTConfig, MoEGPT, MoEGPTConfig, gpt_loss
 
 from helpers import EPS, LR, WD  # eps 1e-6: see helpers.py (AdamW amplifies rounding noise by lr / eps)
-from kernel_testing import interpreted, run_interpreted
+from kernel_testing import interpreted, pytorch_path, run_interpreted
 
 
 def test_triton_kernels_under_interpreter():
     """This module's interpreted tests, in a TRITON_INTERPRET=1 child: all pass, none skip."""
     run_interpreted(__file__)
-
-
-@contextlib.contextmanager
-def pytorch_path():
-    """Inside: the dispatch rule picks PyTorch (it reads TRITON_INTERPRET at every call)."""
-    before = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "0"
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = before
 
 
 def _launched_during(fn):
