@@ -6,11 +6,13 @@
 
 By default 4 CPU processes (gloo) as tp=2 x pp=2; dp is what is left of the
 world. On GPUs NCCL is chosen, and bf16 compute (``--dtype``; default bf16 on
-CUDA, fp32 on CPU): bf16 trains with ZeRO-1 on the data-parallel axis and
-``MixedPrecision(param_dtype=bfloat16, reduce_dtype=float32)`` (fp32 masters and
-gradient reduction), the one mixed-precision strategy family that composes
-with pipeline parallelism. Data is the synthetic Markov "language" of
-``minipar.models.data``.
+CUDA, fp32 on CPU). ``--strategy`` picks the data-parallel strategy: fp32
+defaults to DDP, bf16 to ZeRO-1 (any ZeRO stage takes
+``MixedPrecision(param_dtype=bfloat16, reduce_dtype=float32)``: fp32 masters
+and gradient reduction; DDP computes in the parameters' own dtype). Data is
+the synthetic Markov "language" of ``minipar.models.data``; each batch is
+handed to ``train_step`` on the host, which checks it there and copies it to
+the device (on one GPU the step then never waits for the device).
 
 ``--cp C`` adds context parallelism (``minipar.init(cp=C)``,
 ``ShardedModule(context_parallel=--context-parallel)``): the C ranks of a cp
@@ -97,6 +99,7 @@ from minipar.models.data import markov_batch
 from minipar.moe import moe_layers
 from minipar.pipeline import SCHEDULES, RankTimeline, chunks_per_rank, simulate, write_trace
 from minipar.pipeline.timeline import draw_timeline, measured_bubble
+from minipar.ring_attention import zigzag_positions
 
 PRESETS = {
     "tiny": dict(n_layer=4, n_embd=128, n_head=4, vocab=256, seq=64),
@@ -118,6 +121,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--cp", type=int, default=1, help="context-parallel size: the ranks that split each sequence")
     ap.add_argument("--context-parallel", default="ring", choices=("ring", "ulysses"),
                     help="how the cp ranks attend over the split sequence (with --cp 2 or more)")
+    ap.add_argument("--strategy", default=None, choices=("ddp", "zero1", "zero2", "zero3"),
+                    help="data-parallel strategy (default: ddp in fp32, zero1 in bf16)")
     ap.add_argument("--schedule", default="1f1b", choices=tuple(SCHEDULES))
     ap.add_argument("--virtual-stages", type=int, default=None,
                     help="model chunks per rank for --schedule interleaved_1f1b (default 2); "
@@ -153,8 +158,6 @@ def parse_args() -> argparse.Namespace:
     if args.cp < 1:
         ap.error(f"--cp {args.cp}: the context-parallel size must be 1 or more")
     if args.cp > 1:
-        if args.moe:
-            ap.error("--moe with --cp: context parallelism does not compose with mixture of experts yet; use --cp 1")
         multiple = 2 * args.cp if args.context_parallel == "ring" else args.cp
         if args.seq % multiple:
             why = "2 x cp zig-zag chunks" if args.context_parallel == "ring" else "cp contiguous pieces"
@@ -168,8 +171,9 @@ def parse_args() -> argparse.Namespace:
     if args.virtual_stages is not None and args.virtual_stages != chunks_per_rank(args.schedule, args.virtual_stages):
         ap.error(f"--virtual-stages {args.virtual_stages}: --schedule {args.schedule} holds "
                  f"{chunks_per_rank(args.schedule)} chunk(s) per rank; use --schedule interleaved_1f1b for more")
-    if args.moe and args.dtype == "bf16":
-        ap.error("--moe trains with strategy='ddp' in fp32 (ZeRO does not shard experts yet); drop --dtype bf16")
+    if args.strategy == "ddp" and args.dtype == "bf16":
+        ap.error("--strategy ddp computes in the parameters' own dtype (fp32): use --dtype fp32, or a ZeRO "
+                 "strategy for bf16 compute with fp32 masters")
     if args.check_bubble is not None and args.pp < 2:
         ap.error("--check-bubble needs --pp 2 or more: without a pipeline there is no bubble")
     if args.steps <= STEADY_FROM and args.pp > 1:
@@ -181,15 +185,19 @@ def bf16_policy() -> MixedPrecision:
     return MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
-def build_model(build, cfg, mesh, args, dtype: str) -> tuple[ShardedModule, object]:
+def strategy_of(args, dtype: str) -> str:
+    """--strategy, or the default: ZeRO-1 for bf16 (fp32 masters sharded over dp x cp, bf16 compute,
+    fp32 gradient reduction), DDP for fp32. The fp32 check run of a bf16 job keeps the job's strategy."""
+    return getattr(args, "strategy", None) or ("zero1" if dtype == "bf16" else "ddp")  # soak.py: no --strategy
+
+
+def build_model(build, cfg, mesh, args, dtype: str, strategy: str | None = None) -> tuple[ShardedModule, object]:
     context = getattr(args, "context_parallel", None) if mesh.cp > 1 else None  # soak.py's args have no cp
     pipeline = dict(schedule=args.schedule, microbatches=args.microbatches,
                     virtual_stages=getattr(args, "virtual_stages", None), record_timeline=True)
-    if dtype == "bf16":  # ZeRO-1: fp32 masters sharded over dp (x cp), bf16 compute, fp32 gradient reduction
-        model = ShardedModule(build(cfg), mesh=mesh, strategy="zero1", mixed_precision=bf16_policy(),
-                              context_parallel=context, **pipeline)
-    else:
-        model = ShardedModule(build(cfg), mesh=mesh, context_parallel=context, **pipeline)
+    precision = dict(mixed_precision=bf16_policy()) if dtype == "bf16" else {}
+    model = ShardedModule(build(cfg), mesh=mesh, strategy=strategy or strategy_of(args, dtype),
+                          context_parallel=context, **precision, **pipeline)
     return model, model.build_optimizer(torch.optim.AdamW, lr=args.lr, weight_decay=0.1)
 
 
@@ -286,15 +294,20 @@ def main() -> int:
     else:  # the fp32 check run and its reference must not round matmul inputs to TF32
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
-    dtype = args.dtype or ("fp32" if cpu or args.moe else "bf16")
+    dtype = args.dtype or ("fp32" if cpu else "bf16")
     main_rank = mesh.rank == 0
     shape = dict(vocab_size=args.vocab, block_size=args.seq, n_layer=args.n_layer, n_head=args.n_head,
                  n_embd=args.n_embd, seed=0)
     if args.moe:
         cfg = MoEGPTConfig(**shape, n_experts=args.experts, top_k=args.top_k, capacity_factor=args.capacity_factor)
-        # The reference routes each rank's (each micro-batch's) share of the global batch as its own group.
+        # The reference routes each rank's (each micro-batch's, each cp rank's sequence slice's) share of
+        # the global batch as its own group; ring cp ranks hold zig-zag chunks, routed in that order.
         groups = mesh.dp * (args.microbatches if mesh.pp > 1 else 1)
-        build, ref_cfg = MoEGPT, MoEGPTConfig(**{**vars(cfg), "route_groups": groups})
+        order = None
+        if mesh.cp > 1 and args.context_parallel == "ring":
+            order = tuple(torch.cat([zigzag_positions(args.seq, mesh.cp, r) for r in range(mesh.cp)]).tolist())
+        build, ref_cfg = MoEGPT, MoEGPTConfig(**{**vars(cfg), "route_groups": groups, "route_seq_chunks": mesh.cp,
+                                                  "route_seq_order": order})
     else:
         cfg = ref_cfg = GPTConfig(**shape)
         build = GPT
@@ -303,23 +316,21 @@ def main() -> int:
     del full
     if main_rank:
         kind = f"MoE GPT ({args.experts} experts, top-{args.top_k}, ep={mesh.ep})" if args.moe else "GPT"
-        note = " (bf16 needs ZeRO, which MoE does not use yet)" if args.moe and not cpu and args.dtype is None else ""
         print(f"minipar: {kind} '{args.model}' {n_params / 1e6:.2f}M parameters on {mesh.world_size} ranks: "
               f"dp={mesh.dp} tp={mesh.tp} pp={mesh.pp}"
               + (f" cp={mesh.cp} ({args.context_parallel})" if mesh.cp > 1 else "") + ", "
               + (f"{args.schedule} with {args.microbatches} micro-batches, " if mesh.pp > 1 else "no pipeline, ")
-              + f"{dtype}{note}, {dist.get_backend()}", flush=True)
+              + f"{dtype}, {strategy_of(args, dtype)}, {dist.get_backend()} on {mesh.device.type}", flush=True)
 
     check_steps = min(args.check_steps, args.steps)
     fp32_check_losses = None
     if dtype == "bf16" and check_steps:  # the strict reference check runs on an fp32 run of this layout
-        model, opt = build_model(build, cfg, mesh, args, "fp32")
+        model, opt = build_model(build, cfg, mesh, args, "fp32", strategy=strategy_of(args, dtype))
         fp32_check_losses = []
         for step in range(check_steps):
-            x = markov_batch(step, mesh.dp_rank, args.batch, args.seq, args.vocab).to(mesh.device)
+            x = markov_batch(step, mesh.dp_rank, args.batch, args.seq, args.vocab)  # on the host: train_step moves it
             fp32_check_losses.append(train_step(model, opt, x).item())
         del model, opt
-        gc.collect()  # its hooks hold it in reference cycles; free it before the timed run
         if not cpu:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(mesh.device)
@@ -342,7 +353,7 @@ def main() -> int:
     for step in range(start, args.steps):
         # The cp ranks of a group share their dp_rank, so they are given the same full sequences;
         # ShardedModule.train_step keeps each rank's tokens of them.
-        x = markov_batch(step, mesh.dp_rank, args.batch, args.seq, args.vocab).to(mesh.device)
+        x = markov_batch(step, mesh.dp_rank, args.batch, args.seq, args.vocab)  # on the host: train_step moves it
         last = step == args.steps - 1
         # A barrier straight from torch.distributed, not minipar traffic: it lines the ranks' clocks up
         # so that their timelines share an origin; it is outside the counting block.
@@ -387,7 +398,7 @@ def main() -> int:
         flops_per_token = 6 * n_matmul + 12 * args.n_layer * args.seq * args.n_embd
         peak, peak_note = peak_flops(args, cpu)
         mfu = flops_per_token * tokens_per_s / (mesh.world_size * peak) if peak else None
-        result = {"args": vars(args), "dtype": dtype, "losses": losses, "median_step_s": median,
+        result = {"args": vars(args), "dtype": dtype, "strategy": strategy_of(args, dtype), "losses": losses, "median_step_s": median,
                   "tokens_per_s": tokens_per_s, "flops_per_token": flops_per_token, "mfu": mfu, "peak": peak_note,
                   "reference_max_diff": max_diff, "bf16_max_rel_diff": bf16_rel,
                   "comm": {f"{k[0]}/{k[1]}": v for k, v in step_stats.summary().items()},
