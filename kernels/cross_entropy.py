@@ -32,17 +32,17 @@ when the dispatch rule picks it, in PyTorch otherwise; the autograd Function is
 the same for both. Neither primitive checks targets: a target outside the slice
 is how a rank learns it does not hold it (z_t = 0, no -(1 - eps) term in its gradient).
 ``cross_entropy`` raises IndexError for an out-of-range target that is not
-``ignore_index`` where PyTorch computes it (CPU tensors), as ``F.cross_entropy``
-does, but not where the Triton kernel runs: on a GPU the check would make the
-host wait for the device (``minipar.syncs``), and the interpreter stands in for
-the GPU. ``ShardedModule.train_step`` checks every target before any compute.
+``ignore_index`` on CPU tensors, as ``F.cross_entropy`` does, but not on a GPU,
+where the check would make the host wait for the device (``minipar.syncs``),
+nor under the interpreter, which stands in for the GPU.
+``ShardedModule.train_step`` checks every target before any compute.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .dispatch import launch, triton_module, use_triton
+from .dispatch import interpreting, launch, triton_module, use_triton
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
@@ -54,7 +54,7 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int
     """
     v = logits.shape[-1]
     flat_targets = targets.reshape(-1)
-    if not use_triton(logits):  # free on CPU; on a GPU the check would wait for the device
+    if not (logits.is_cuda or interpreting()):  # free on CPU; on a GPU the check would wait for the device
         bad = (flat_targets != ignore_index) & ((flat_targets < 0) | (flat_targets >= v))
         if bad.any():
             raise IndexError(f"cross_entropy: target {flat_targets[bad][0].item()} is out of bounds "

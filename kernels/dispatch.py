@@ -3,9 +3,9 @@
 Every kernel in ``minipar.kernels`` asks ``use_triton(tensor)``: Triton when the
 tensor is on CUDA or when ``TRITON_INTERPRET=1`` is set (Triton's interpreter
 runs the same kernels on CPU tensors, slowly, which is how CI tests them),
-PyTorch otherwise. ``MINIPAR_KERNELS=torch`` takes the PyTorch path on CUDA
-too: the baseline the GPU benchmarks compare with, and the first thing to try
-when a kernel is suspected. The rule is read at every call, so a test can flip
+PyTorch otherwise. ``MINIPAR_KERNELS=torch`` takes the PyTorch path
+everywhere, CUDA included: the baseline the GPU benchmarks compare with, and
+the first thing to try when a kernel is suspected. The rule is read at every call, so a test can flip
 the environment variables to compare both paths in one process.
 
 Triton fixes the interpreter-or-compiler choice when a ``@triton.jit`` function
@@ -35,11 +35,11 @@ def interpreting() -> bool:
 
 
 def use_triton(tensor: torch.Tensor) -> bool:
-    """The dispatch rule: Triton for a CUDA tensor (unless ``MINIPAR_KERNELS=torch``) or under the
-    interpreter, PyTorch otherwise."""
-    if interpreting():
-        return True
-    return tensor.is_cuda and os.environ.get("MINIPAR_KERNELS", "triton").strip().lower() != "torch"
+    """The dispatch rule: Triton for a CUDA tensor or under the interpreter, PyTorch otherwise, or
+    everywhere with ``MINIPAR_KERNELS=torch``."""
+    if os.environ.get("MINIPAR_KERNELS", "triton").strip().lower() == "torch":
+        return False
+    return tensor.is_cuda or interpreting()
 
 
 def triton_module(name: str) -> ModuleType:

@@ -262,3 +262,53 @@ def test_offload_benchmark_runs_every_level(tmp_path):
     nvme = rows["opt=nvme"]
     assert nvme["moved"]["disk_read"] == nvme["moved"]["disk_write"] == nvme["disk"]
     assert rows["opt=nvme,par=nvme"]["disk"] > nvme["disk"] and rows["opt=nvme,par=nvme"]["host"] < 1024
+
+
+def test_gpu_report_without_a_gpu_says_so_and_its_smoke_path_runs_every_kind_of_step(tmp_path):
+    """benchmarks/gpu_report.py on a machine without CUDA: it says so and runs its smoke path (a kernel
+    module interpreted, the single-device GPT with minipar's kernels interpreted beside PyTorch's, the
+    main job at world 1 and 2 with their reference checks, the kernel table), writing the JSON and the
+    markdown. The single-device step under the interpreter makes no host sync in minipar's mode: the
+    GPU run's claim, seen on a CPU."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "MINIPAR_KERNELS")}
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_report.py"), "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-3000:]
+    assert "no CUDA device here" in out.stdout and "| part | step | result |" in out.stdout
+    report = json.loads((tmp_path / "gpu_report.json").read_text())
+    assert not report["cuda"] and report["info"]["torch"] == torch.__version__ and report["info"]["triton"]
+    steps = {s["part"]: [] for s in report["steps"]}
+    for s in report["steps"]:
+        steps[s["part"]].append(s)
+        assert s["ok"], (s["name"], s["tail"])
+    assert set(steps) == {"kernels", "train", "tests"}
+    kernel_tests = next(s for s in steps["kernels"] if "tests" in s)["tests"]
+    assert kernel_tests["passed"] > 0 and kernel_tests["failed"] == 0 and kernel_tests["skipped"] == 0
+    gpt = next(s for s in steps["train"] if "rows" in s.get("figures", {}))["figures"]
+    modes = {r["mode"]: r for r in gpt["rows"]}
+    assert set(modes) == {"minipar", "torch"} and modes["minipar"]["would_wait"] == 0
+    assert abs(modes["minipar"]["first_loss"] - modes["torch"]["first_loss"]) < 0.05  # same model, bf16 both
+    for s in steps["train"] + steps["tests"]:
+        if "reference_max_diff" in s.get("figures", {}):
+            assert s["figures"]["reference_max_diff"] <= 1e-4, s["name"]
+    assert (tmp_path / "gpu_report.md").read_text().startswith("# minipar GPU report")
+
+
+def test_gpu_report_plan_fits_the_device_limits():
+    """On a GPU (planned here without one): every part's steps together are limited to ten minutes, the
+    most a device command may take; each step's estimate is within its limit; and --part all starts
+    with what matters most when GPU time is short: the kernels' correctness, then the single-GPU GPT."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import gpu_report
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    steps = gpu_report.gpu_steps(pathlib.Path("/nonexistent"))
+    assert {s.part for s in steps} == set(gpu_report.PARTS)
+    for part in gpu_report.PARTS:
+        assert sum(s.timeout for s in steps if s.part == part) <= 600, part
+    assert all(0 < s.estimate <= s.timeout for s in steps)
+    assert [s.name for s in steps[:2]] == ["kernel tests compiled on the GPU", "GPT 350M on one GPU: minipar beside PyTorch"]
+    strategies = " ".join(s.name for s in steps if s.part == "tests")
+    for what in ("ddp", "zero1", "zero2", "zero3", "world 1, NCCL", "world 2 sharing the GPU", "tp=2", "pp=2", "cp=2"):
+        assert what in strategies, what

@@ -94,16 +94,17 @@ def test_main_job_in_bf16_and_its_bubble_check(tmp_path):
 
 
 def test_main_job_trains_the_moe_gpt_with_experts_across_data_parallel_ranks(tmp_path):
-    """--moe: dp=2 x pp=2 with the experts split over the two data-parallel ranks (ep=2); the
-    reference check replays the steps in one process routing each rank's micro-batches as groups."""
+    """--moe --strategy zero2: dp=2 x pp=2 with the experts split over the two data-parallel ranks
+    (ep=2) and ZeRO-2 sharding dense and expert state; the reference check replays the steps in one
+    process routing each rank's micro-batches as groups."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-           str(ROOT / "benchmarks" / "gpt_tp_pp.py"), "--moe", "--tp", "1", "--steps", "4", "--seq", "32",
-           "--out", str(tmp_path)]
+           str(ROOT / "benchmarks" / "gpt_tp_pp.py"), "--moe", "--strategy", "zero2", "--tp", "1", "--steps", "4",
+           "--seq", "32", "--out", str(tmp_path)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "MoE GPT (4 experts, top-2, ep=2)" in out.stdout and ": ok |" in out.stdout
     result = json.loads((tmp_path / "gpt_tp_pp.json").read_text())
-    assert result["reference_max_diff"] <= 1e-4
+    assert result["reference_max_diff"] <= 1e-4 and result["strategy"] == "zero2"
     assert result["comm"]["all_to_all/ep"]["calls"] > 0  # tokens really travelled between ranks
 
 

@@ -1,0 +1,270 @@
+"""The GPT on one GPU: minipar's training step beside PyTorch's own recipe, in tokens/s and MFU.
+
+    python benchmarks/gpt_1gpu.py [--model gpt2-medium] [--batch 16] [--seq 1024] [--steps 20]
+        [--modes minipar,torch,compile] [--json results/gpt_1gpu.json]
+
+Every mode trains the same GPT (``minipar.models.GPT``, the same initial weights, the same
+batches) in bf16 for ``--warmup`` untimed and ``--steps`` timed steps:
+
+  minipar   ``ShardedModule`` on a world of one: ZeRO-1 with ``MixedPrecision(bf16, reduce fp32)``
+            (bf16 parameters, fp32 masters), minipar's Triton kernels (norms, GELU, the loss, the
+            fused AdamW step), flash attention through SDPA, ``train_step`` on host batches.
+  torch     PyTorch's standard recipe on the same model: its own ops (``MINIPAR_KERNELS=torch``),
+            fp32 parameters under ``torch.autocast(bfloat16)``, ``F.cross_entropy`` on the logits in fp32,
+            ``torch.optim.AdamW(fused=True)``.
+  compile   ``torch`` with the model under ``torch.compile``.
+  minipar_compile  ``minipar`` with the wrapped GPT's blocks under ``torch.compile`` (the Triton
+            kernels inside them as user kernels).
+
+The timed steps run back to back with one CUDA-event pair around them (no host sync in between:
+the point is how far the host can stay ahead). Reported per mode: step time, tokens/s, MFU
+(tokens/s x (6 N + 12 n_layer seq n_embd) FLOPs over the GPU's peak dense bf16 FLOP/s, as the
+main job), peak memory, the first and last loss, and the host syncs of one step seen two ways:
+``minipar.syncs`` (the calls that would wait) and ``torch.cuda.set_sync_debug_mode`` (the ones
+that did). Goal on an H100: MFU >= 0.50 for minipar, at least PyTorch eager's tokens/s.
+
+Without CUDA it says so and runs ``--smoke``: a tiny model on the CPU for a few steps (minipar and
+torch modes), which checks the script, not speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import time
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+import minipar
+from minipar import MixedPrecision, ShardedModule
+from minipar.models import GPT, GPTConfig, gpt_loss
+from minipar.models.data import markov_batch
+from minipar.syncs import count_host_syncs
+
+from gpt_tp_pp import matmul_params, peak_flops
+
+PRESETS = {
+    "tiny": dict(n_layer=1, n_embd=16, n_head=2, vocab=64, seq=16),
+    "gpt2": dict(n_layer=12, n_embd=768, n_head=12, vocab=50304, seq=1024),          # 124M
+    "gpt2-medium": dict(n_layer=24, n_embd=1024, n_head=16, vocab=50304, seq=1024),  # 350M
+}
+MODES = ("minipar", "torch", "compile", "minipar_compile")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="gpt2-medium", choices=sorted(PRESETS))
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=None, help="default: the preset's")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--modes", default="minipar,torch,compile", help=f"comma-separated, of {', '.join(MODES)}")
+    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--peak-tflops", type=float, default=None, help="one GPU's peak bf16 TFLOP/s, for the MFU")
+    ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU: checks the script only")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = [m for m in args.modes if m not in MODES]
+    if unknown:
+        ap.error(f"--modes: unknown {unknown}; choose from {', '.join(MODES)}")
+    if args.smoke:
+        args.model, args.steps, args.warmup, args.batch = "tiny", min(args.steps, 3), 1, min(args.batch, 2)
+        args.modes = [m for m in args.modes if "compile" not in m] or ["minipar"]
+    args.seq = args.seq or PRESETS[args.model]["seq"]
+    return args
+
+
+def config(args) -> GPTConfig:
+    p = PRESETS[args.model]
+    return GPTConfig(vocab_size=p["vocab"], block_size=args.seq, n_layer=p["n_layer"], n_head=p["n_head"],
+                     n_embd=p["n_embd"], seed=0)
+
+
+@contextlib.contextmanager
+def kernels_path(torch_ops: bool):
+    """MINIPAR_KERNELS=torch inside (PyTorch's ops on CUDA), as it was outside afterwards."""
+    before = os.environ.get("MINIPAR_KERNELS")
+    if torch_ops:
+        os.environ["MINIPAR_KERNELS"] = "torch"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("MINIPAR_KERNELS", None)
+        else:
+            os.environ["MINIPAR_KERNELS"] = before
+
+
+class Runner:
+    """One mode's model, optimizer and step: ``step(x)`` -> loss tensor (never read back here)."""
+
+    def __init__(self, mode: str, cfg: GPTConfig, mesh, lr: float, device: torch.device) -> None:
+        self.mode, self.device = mode, device
+        self.torch_ops = mode in ("torch", "compile")
+        if self.torch_ops:
+            self.model = GPT(cfg).to(device)
+            fused = device.type == "cuda"
+            self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.1, fused=fused)
+            self.forward = torch.compile(self.model) if mode == "compile" else self.model
+            self.autocast = torch.autocast(device.type, dtype=torch.bfloat16)
+        else:
+            self.model = ShardedModule(GPT(cfg), mesh=mesh, strategy="zero1",
+                                       mixed_precision=MixedPrecision(param_dtype=torch.bfloat16,
+                                                                      reduce_dtype=torch.float32))
+            if mode == "minipar_compile":
+                for block in self.model.module.h:
+                    block.compile()
+            self.opt = self.model.build_optimizer(torch.optim.AdamW, lr=lr, weight_decay=0.1)
+
+    def step(self, x: torch.Tensor) -> torch.Tensor:
+        with kernels_path(self.torch_ops):
+            if self.torch_ops:
+                x = x.to(self.device, non_blocking=True)
+                with self.autocast:
+                    logits = self.forward(x[:, :-1])
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), x[:, 1:].flatten())
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+            else:
+                loss = self.model.train_step(x[:, :-1], x[:, 1:], gpt_loss)
+                self.model.clip_grad_norm_(1.0)
+            self.opt.step()
+            self.opt.zero_grad()
+        return loss.detach()
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        """Tensors that live on the host by design (a torch optimizer's step counts)."""
+        inner = getattr(self.opt, "optimizer", self.opt)
+        return [s["step"] for s in inner.state.values() if "step" in s and s["step"].device.type == "cpu"]
+
+
+def sync_counts(runner: Runner, x: torch.Tensor) -> dict:
+    """One step's host syncs: the calls that would wait (minipar.syncs) and, on CUDA, the ones torch
+    saw wait (set_sync_debug_mode "warn" turns each into a warning)."""
+    with count_host_syncs(runner.host_tensors()) as syncs, warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        if runner.device.type == "cuda":
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            runner.step(x)
+        finally:
+            if runner.device.type == "cuda":
+                torch.cuda.set_sync_debug_mode("default")
+    waited = [str(w.message).splitlines()[0] for w in seen if "synchroniz" in str(w.message).lower()]
+    return {"would_wait": syncs.total, "would_wait_at": syncs.report() if syncs.total else "",
+            "cuda_waited": len(waited) if runner.device.type == "cuda" else None}
+
+
+def flash_attention_runs(cfg: GPTConfig, device: torch.device) -> str:
+    """Whether the GPT's attention runs with SDPA's flash kernel alone, in bf16 on this device."""
+    if device.type != "cuda":
+        return "n/a on CPU"
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    q = torch.randn(2, cfg.n_head, 128, cfg.n_embd // cfg.n_head, device=device, dtype=torch.bfloat16)
+    try:
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            F.scaled_dot_product_attention(q, q, q, is_causal=True)
+        return "yes"
+    except RuntimeError as e:
+        return f"no: {str(e).splitlines()[0]}"
+
+
+def run_mode(mode: str, args, cfg: GPTConfig, mesh, device: torch.device, flops_per_token: float,
+             peak: float | None) -> dict:
+    torch.manual_seed(0)
+    runner = Runner(mode, cfg, mesh, args.lr, device)
+    batches = [markov_batch(s, 0, args.batch, args.seq, cfg.vocab_size) for s in range(args.warmup + args.steps)]
+    losses = [runner.step(x) for x in batches[:args.warmup]]
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        start.record()
+    else:
+        t0 = time.perf_counter()
+    losses += [runner.step(x) for x in batches[args.warmup:]]
+    host_s = time.perf_counter() - t0  # how long the host took to queue the steps
+    if device.type == "cuda":
+        end.record()
+        end.synchronize()
+        seconds = start.elapsed_time(end) / 1e3
+        peak_mem = torch.cuda.max_memory_allocated(device)
+    else:
+        seconds, peak_mem = host_s, None
+    step_s = seconds / args.steps
+    tokens_per_s = args.batch * args.seq / step_s
+    values = torch.stack(losses).float().tolist()
+    row = {"mode": mode, "step_ms": step_s * 1e3, "host_ms_per_step": host_s / args.steps * 1e3,
+           "tokens_per_s": tokens_per_s, "mfu": flops_per_token * tokens_per_s / peak if peak else None,
+           "peak_memory_bytes": peak_mem, "first_loss": values[0], "last_loss": values[-1],
+           **sync_counts(runner, batches[-1])}
+    del runner
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.smoke:
+        print("gpt_1gpu: no CUDA device here; running the CPU smoke path (--smoke): tiny model, no timing claims")
+        args = parse_args([*(argv or []), "--smoke"])
+    mesh = minipar.init()
+    device = mesh.device
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True  # what a training run would use
+    cfg = config(args)
+    full = GPT(cfg)
+    n_params, n_matmul = sum(p.numel() for p in full.parameters()), matmul_params(full)
+    del full
+    flops_per_token = 6 * n_matmul + 12 * cfg.n_layer * args.seq * cfg.n_embd
+    peak, peak_note = peak_flops(args, device.type != "cuda")
+    flash = flash_attention_runs(cfg, device)
+    name = torch.cuda.get_device_name() if cuda else "CPU"
+    print(f"gpt_1gpu: GPT '{args.model}' {n_params / 1e6:.1f}M parameters, batch {args.batch} x seq {args.seq}, "
+          f"bf16, on {name}; torch {torch.__version__}; flash attention: {flash}", flush=True)
+    rows = []
+    for mode in args.modes:
+        try:
+            rows.append(run_mode(mode, args, cfg, mesh, device, flops_per_token, peak))
+        except Exception as e:  # noqa: BLE001 -- one mode failing must not hide the others' figures
+            rows.append({"mode": mode, "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"})
+        print(f"  {mode}: " + (rows[-1].get("error") or f"{rows[-1]['tokens_per_s']:,.0f} tokens/s"), flush=True)
+    base = next((r for r in rows if r["mode"] == "torch" and "error" not in r), None)
+    print("\n| mode | step ms | host ms/step | tokens/s | vs torch | MFU | peak memory | loss first -> last | "
+          "syncs/step (would wait / CUDA saw) |\n|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['mode']} | failed: {r['error']} |||||||| ")
+            continue
+        ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}" if base else "n/a"
+        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else peak_note
+        mem = f"{r['peak_memory_bytes'] / 2**30:.2f} GiB" if r["peak_memory_bytes"] is not None else "n/a"
+        cuda_saw = r["cuda_waited"] if r["cuda_waited"] is not None else "n/a"
+        print(f"| {r['mode']} | {r['step_ms']:.1f} | {r['host_ms_per_step']:.1f} | {r['tokens_per_s']:,.0f} | {ratio} | "
+              f"{mfu} | {mem} | {r['first_loss']:.3f} -> {r['last_loss']:.3f} | {r['would_wait']} / {cuda_saw} |")
+    for r in rows:
+        if r.get("would_wait"):
+            print(f"{r['mode']}: host syncs per step at\n{r['would_wait_at']}")
+    result = {"device": name, "torch": torch.__version__, "model": args.model, "parameters": n_params,
+              "batch": args.batch, "seq": args.seq, "flops_per_token": flops_per_token, "peak": peak_note,
+              "flash_attention": flash, "rows": rows,
+              "median_tokens_per_s": statistics.median([r["tokens_per_s"] for r in rows if "error" not in r] or [0])}
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    minipar.shutdown()
+    return 1 if any("error" in r for r in rows) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

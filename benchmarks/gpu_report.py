@@ -1,0 +1,273 @@
+"""One command that measures minipar on a GPU, in parts that each fit in ten minutes.
+
+    python benchmarks/gpu_report.py [--part kernels|train|tests|suite|all] [--out results] [--budget 540]
+
+Parts (each a list of steps, every step a subprocess with its own time limit, so one that breaks
+or hangs is recorded and the rest still run; the limits of one part add up to at most ten minutes):
+
+  kernels  (a) every Triton kernel's tests compiled on the GPU, not interpreted
+               (``MINIPAR_TEST_DEVICE=cuda pytest -m triton``: forward and backward, fp32 and bf16,
+               against PyTorch on the same device); (b) ``benchmarks/kernels.py``: time, GB/s and
+               fraction of the measured copy bandwidth, against eager and ``torch.compile``.
+  train    (c) ``benchmarks/gpt_1gpu.py``: the GPT (350M) on one GPU in bf16 with minipar's kernels
+               beside PyTorch's recipe: tokens/s, MFU, memory, host syncs per step; (e) the main job
+               on a world of one in bf16 with its reference check.
+  tests    (d) the strategies, each checked against the single-process run by the main job's
+               reference check: ddp, zero1, zero2, zero3 on a world of one over NCCL (fp32 and
+               bf16), and tp=2, pp=2, cp=2 and each strategy on a world of two as two gloo
+               processes sharing the GPU with CUDA tensors (``MINIPAR_DEVICE=cuda``).
+  suite    the equivalence test modules of the strategies with their ranks on the GPU
+               (``MINIPAR_TEST_DEVICE=cuda``: a world of one over NCCL, larger ones over gloo).
+
+``--part all`` runs every step in the order that matters most when GPU time is short (kernel
+correctness, the single-GPU figures, the main job, the kernel table, the strategies, the suite)
+and skips a step expected to end past ``--budget`` seconds from the start (each step carries an
+estimate of its time on an H100 beside its hard limit). It writes OUT/gpu_report.json
+and OUT/gpu_report.md (the device, torch, triton and CUDA versions, then each step: what it ran,
+how long, pass/fail, its figures), and prints the markdown. Exit status 1 when a step failed.
+
+Without CUDA it says so and runs the smoke path on the CPU: the same kinds of step at tiny sizes
+(one kernel module under the interpreter, the two benchmarks' ``--smoke`` runs, the main job at
+world 1 and 2 on gloo): it checks this kit, not a GPU, and is what CI runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import pathlib
+import platform
+import subprocess
+import sys
+import time
+from xml.etree import ElementTree
+
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+PARTS = ("kernels", "train", "tests", "suite")
+# The strategy tests whose ranks move to the GPU in the tests part (a world of 1 over NCCL, larger
+# worlds over gloo with CUDA tensors): each compares its strategy with the single-process run.
+STRATEGY_TESTS = ("tests/test_ddp.py", "tests/test_zero.py", "tests/test_tensor_parallel.py", "tests/test_pipeline.py",
+                  "tests/test_hsdp.py", "tests/test_moe.py", "tests/test_context_parallel.py")
+
+
+@dataclasses.dataclass
+class Step:
+    """One thing the report runs: ``cmd`` under ``env``, killed after ``timeout`` seconds."""
+
+    name: str
+    part: str
+    cmd: list[str]
+    timeout: int                     # hard limit, seconds
+    estimate: int                    # expected seconds (an H100 machine): what --budget plans with
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
+    json_out: str | None = None      # a JSON file the step writes, kept as its figures
+    junit: str | None = None         # a pytest JUnit report: counted into passed/failed/skipped
+
+
+def torchrun(n: int, script: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
+            str(BENCH / script), *args]
+
+
+def main_job(n: int, out: pathlib.Path, name: str, *args: str) -> list[str]:
+    return torchrun(n, "gpt_tp_pp.py", "--out", str(out / name), *args)
+
+
+def gpu_steps(out: pathlib.Path) -> list[Step]:
+    """Every step on a CUDA machine, most important first (the order ``--part all`` runs them in)."""
+    # (tests/test_syncs.py stays out: its steps take host batches, which OnDevice would move to the GPU;
+    # on a GPU the host syncs are gpt_1gpu.py's to count, through torch.cuda.set_sync_debug_mode.)
+    tests = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_kernels*.py"))
+    share = {"MINIPAR_BACKEND": "gloo", "MINIPAR_DEVICE": "cuda"}  # two processes on one GPU (nccl refuses it)
+    steps = [
+        Step("kernel tests compiled on the GPU", "kernels",
+             [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "triton", *tests,
+              f"--junitxml={out / 'kernel_tests.xml'}"], 360, 150,
+             env={"MINIPAR_TEST_DEVICE": "cuda", "HYPOTHESIS_PROFILE": "ci"}, junit=str(out / "kernel_tests.xml")),
+        Step("GPT 350M on one GPU: minipar beside PyTorch", "train",
+             [sys.executable, str(BENCH / "gpt_1gpu.py"), "--model", "gpt2-medium", "--modes",
+              "minipar,torch,compile,minipar_compile", "--json", str(out / "gpt_1gpu.json")], 420, 240,
+             json_out=str(out / "gpt_1gpu.json")),
+        Step("main job, world 1, bf16, reference check", "train",
+             main_job(1, out, "main_world1_bf16", "--tp", "1", "--pp", "1", "--model", "small", "--dtype", "bf16",
+                      "--steps", "20", "--batch", "16"), 180, 40, json_out=str(out / "main_world1_bf16" / "gpt_tp_pp.json")),
+        Step("kernel table (time, GB/s, vs eager and torch.compile)", "kernels",
+             [sys.executable, str(BENCH / "kernels.py"), "--json", str(out / "kernels.json")], 240, 90,
+             json_out=str(out / "kernels.json")),
+    ]
+    for strategy, dtype in (("ddp", "fp32"), ("zero1", "bf16"), ("zero2", "bf16"), ("zero3", "fp32"), ("zero3", "bf16")):
+        name = f"main_world1_nccl_{strategy}_{dtype}"
+        steps.append(Step(f"{strategy} {dtype}, world 1, NCCL", "tests",
+                          main_job(1, out, name, "--tp", "1", "--pp", "1", "--strategy", strategy, "--dtype", dtype,
+                                   "--steps", "6"), 45, 20, json_out=str(out / name / "gpt_tp_pp.json")))
+    for label, args in [(f"{s} fp32", ("--tp", "1", "--pp", "1", "--strategy", s)) for s in ("ddp", "zero1", "zero2", "zero3")] + \
+                       [("tp=2 ddp fp32", ("--tp", "2", "--pp", "1")), ("pp=2 1f1b zero1 bf16", ("--tp", "1", "--pp", "2", "--dtype", "bf16")),
+                        ("cp=2 ring fp32", ("--tp", "1", "--pp", "1", "--cp", "2"))]:
+        name = "main_world2_gloo_cuda_" + label.replace(" ", "_").replace("=", "")
+        steps.append(Step(f"{label}, world 2 sharing the GPU over gloo", "tests",
+                          main_job(2, out, name, *args, "--steps", "6"), 50, 25, env=share,
+                          json_out=str(out / name / "gpt_tp_pp.json")))
+    steps.append(Step("strategy tests with their ranks on the GPU", "suite",
+                      [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--maxfail=20", *STRATEGY_TESTS,
+                       f"--junitxml={out / 'strategy_tests.xml'}"], 540, 300,
+                      env={"MINIPAR_TEST_DEVICE": "cuda", "MINIPAR_TEST_BACKEND": "nccl", "HYPOTHESIS_PROFILE": "ci"},
+                      junit=str(out / "strategy_tests.xml")))
+    return steps
+
+
+def cpu_steps(out: pathlib.Path) -> list[Step]:
+    """The smoke path: the same kinds of step at tiny sizes on the CPU (it tests the kit, not a GPU)."""
+    tiny = ("--model", "tiny", "--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--vocab", "64", "--seq", "16",
+            "--batch", "2", "--steps", "4")
+    return [
+        Step("kernel tests (interpreted: no GPU)", "kernels",
+             [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "triton",
+              "tests/test_kernels_scale_cast.py", f"--junitxml={out / 'kernel_tests.xml'}"], 300, 10,
+             env={"TRITON_INTERPRET": "1", "HYPOTHESIS_PROFILE": "ci"}, junit=str(out / "kernel_tests.xml")),
+        # interpreted: minipar's kernels take their GPU branch, so its host syncs are a GPU run's
+        Step("GPT on one device (smoke, kernels interpreted)", "train",
+             [sys.executable, str(BENCH / "gpt_1gpu.py"), "--smoke", "--json", str(out / "gpt_1gpu.json")], 180, 20,
+             env={"TRITON_INTERPRET": "1"}, json_out=str(out / "gpt_1gpu.json")),
+        Step("main job, world 1, reference check", "train",
+             main_job(1, out, "main_world1", "--tp", "1", "--pp", "1", *tiny), 180, 10,
+             json_out=str(out / "main_world1" / "gpt_tp_pp.json")),
+        Step("kernel table (smoke)", "kernels",
+             [sys.executable, str(BENCH / "kernels.py"), "--smoke", "--json", str(out / "kernels.json")], 180, 5,
+             json_out=str(out / "kernels.json")),
+        Step("zero3 fp32, world 2 over gloo", "tests",
+             main_job(2, out, "main_world2_zero3", "--tp", "1", "--pp", "1", "--strategy", "zero3", *tiny), 180, 15,
+             json_out=str(out / "main_world2_zero3" / "gpt_tp_pp.json")),
+    ]
+
+
+def versions() -> dict:
+    info = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (no CUDA)",
+            "date": time.strftime("%Y-%m-%d %H:%M %Z")}
+    try:
+        import triton
+        info["triton"] = triton.__version__
+    except ImportError as e:
+        info["triton"] = f"not importable: {e}"
+    return info
+
+
+def junit_counts(path: str) -> dict:
+    if not os.path.exists(path):
+        return {"error": "no JUnit report (pytest did not get to write one)"}
+    counts = {"passed": 0, "failed": 0, "skipped": 0, "failures": []}
+    for case in ElementTree.parse(path).getroot().iter("testcase"):
+        verdict = next((el for el in case if el.tag in ("failure", "error", "skipped")), None)
+        kind = "passed" if verdict is None else "skipped" if verdict.tag == "skipped" else "failed"
+        counts[kind] += 1
+        if kind == "failed":
+            counts["failures"].append(f"{case.get('classname')}::{case.get('name')}: "
+                                      f"{(verdict.get('message') or '').splitlines()[0][:300] if verdict.get('message') else ''}")
+    return counts
+
+
+def run_step(step: Step) -> dict:
+    env = dict(os.environ, **step.env)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(BENCH), env.get("PYTHONPATH")]))
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.run(step.cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=step.timeout)
+        rc, output = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as e:
+        rc = "timeout"
+        output = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        output += f"\n[killed after {step.timeout} s]"
+    row = {"name": step.name, "part": step.part, "cmd": " ".join(step.cmd[1:] if step.cmd[0] == sys.executable
+                                                                   else step.cmd),
+           "env": step.env, "seconds": round(time.monotonic() - t0, 1), "rc": rc, "ok": rc == 0,
+           "tail": output[-3000:]}
+    if step.json_out and os.path.exists(step.json_out):
+        with open(step.json_out) as f:
+            row["figures"] = json.load(f)
+    if step.junit:
+        row["tests"] = junit_counts(step.junit)
+    return row
+
+
+def summary(row: dict) -> str:
+    """A step's headline figures, for the markdown table."""
+    if "tests" in row:
+        t = row["tests"]
+        return t.get("error") or f"{t['passed']} passed, {t['failed']} failed, {t['skipped']} skipped"
+    fig = row.get("figures") or {}
+    if "rows" in fig:  # gpt_1gpu
+        return "; ".join(f"{r['mode']} " + (f"failed ({r['error']})" if "error" in r else
+                         f"{r['tokens_per_s']:,.0f} tok/s" + (f", MFU {r['mfu']:.1%}" if r.get("mfu") else "")
+                         + f", {r['would_wait']} syncs/step") for r in fig["rows"]) + f"; flash: {fig.get('flash_attention')}"
+    if "kernels" in fig:  # kernels.py
+        met = sum(not k["goal_missed"] for k in fig["kernels"])
+        return f"copy {fig['copy_gb_per_s']:,.0f} GB/s; goal met by {met} of {len(fig['kernels'])} kernels"
+    if "tokens_per_s" in fig:  # the main job
+        ref = f"reference diff {fig['reference_max_diff']:.1e}"
+        bf16 = f", bf16 rel {fig['bf16_max_rel_diff']:.1e}" if fig.get("bf16_max_rel_diff") is not None else ""
+        mfu = f", MFU {fig['mfu']:.1%}" if fig.get("mfu") else ""
+        return f"{fig['tokens_per_s']:,.0f} tok/s{mfu}; {ref}{bf16}"
+    return "" if row["ok"] else row["tail"].strip().splitlines()[-1][:200] if row["tail"].strip() else ""
+
+
+def markdown(info: dict, rows: list[dict], skipped: list[str]) -> str:
+    lines = [f"# minipar GPU report, {info['date']}", "",
+             f"{info['device']}; torch {info['torch']} (CUDA {info['cuda']}); triton {info['triton']}; "
+             f"Python {info['python']}", "",
+             "| part | step | result | seconds | figures |", "|---|---|---|---|---|"]
+    for r in rows:
+        verdict = "ok" if r["ok"] else ("timed out" if r["rc"] == "timeout" else f"FAILED (exit {r['rc']})")
+        lines.append(f"| {r['part']} | {r['name']} | {verdict} | {r['seconds']} | {summary(r)} |")
+    for name in skipped:
+        lines.append(f"| | {name} | skipped: past --budget | | |")
+    for r in rows:
+        failures = (r.get("tests") or {}).get("failures") or []
+        if failures:
+            lines += ["", f"## {r['name']}: failures", ""] + [f"- {f}" for f in failures[:40]]
+        elif not r["ok"]:
+            lines += ["", f"## {r['name']}: output tail", "", "```", r["tail"][-1500:], "```"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--part", default="all", choices=(*PARTS, "all"))
+    ap.add_argument("--out", default="results")
+    ap.add_argument("--budget", type=float, default=540.0,
+                    help="seconds: a step expected to end past this is skipped (default 540)")
+    args = ap.parse_args(argv)
+    out = pathlib.Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    info = versions()
+    cuda = torch.cuda.is_available()
+    print(f"gpu_report: {info['device']}; torch {info['torch']} (CUDA {info['cuda']}); triton {info['triton']}", flush=True)
+    if not cuda:
+        print("gpu_report: no CUDA device here: running the smoke path on the CPU (tiny sizes: it checks the kit, "
+              "not a GPU)", flush=True)
+    steps = [s for s in (gpu_steps(out) if cuda else cpu_steps(out)) if args.part in ("all", s.part)]
+    start, rows, skipped = time.monotonic(), [], []
+    for step in steps:
+        if time.monotonic() - start + step.estimate > args.budget:
+            skipped.append(step.name)
+            print(f"-- {step.name}: skipped (expected to take {step.estimate} s: past --budget {args.budget:g} s)",
+                  flush=True)
+            continue
+        print(f"-- {step.name} ...", flush=True)
+        rows.append(run_step(step))
+        print(f"   {'ok' if rows[-1]['ok'] else 'FAILED'} in {rows[-1]['seconds']} s: {summary(rows[-1])}", flush=True)
+    report = {"info": info, "cuda": cuda, "part": args.part, "steps": rows, "skipped": skipped}
+    (out / "gpu_report.json").write_text(json.dumps(report, indent=1))
+    md = markdown(info, rows, skipped)
+    (out / "gpu_report.md").write_text(md)
+    print("\n" + md)
+    print(f"gpu_report: wrote {out / 'gpu_report.json'} and {out / 'gpu_report.md'}")
+    return 0 if all(r["ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
