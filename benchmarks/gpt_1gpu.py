@@ -118,7 +118,7 @@ class Runner:
                                        mixed_precision=MixedPrecision(param_dtype=torch.bfloat16,
                                                                       reduce_dtype=torch.float32))
             if mode == "minipar_compile":
-                for block in self.model.module.h:
+                for block in self.model.module.layers:
                     block.compile()
             self.opt = self.model.build_optimizer(torch.optim.AdamW, lr=lr, weight_decay=0.1)
 
