@@ -136,7 +136,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--n-layer", type=int, default=None)
     ap.add_argument("--n-embd", type=int, default=None)
     ap.add_argument("--n-head", type=int, default=None)
-    ap.add_argument("--dtype", default=None, choices=("fp32", "bf16"), help="default: bf16 on CUDA, fp32 on CPU")
+    ap.add_argument("--dtype", default=None, choices=("fp32", "bf16"),
+                    help="default: bf16 on CUDA (fp32 with --strategy ddp), fp32 on CPU")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--check-steps", type=int, default=3)
     ap.add_argument("--tolerance", type=float, default=1e-4, help="largest fp32 loss difference to the reference")
@@ -294,7 +295,7 @@ def main() -> int:
     else:  # the fp32 check run and its reference must not round matmul inputs to TF32
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
-    dtype = args.dtype or ("fp32" if cpu else "bf16")
+    dtype = args.dtype or ("fp32" if cpu or args.strategy == "ddp" else "bf16")  # DDP has no mixed precision
     main_rank = mesh.rank == 0
     shape = dict(vocab_size=args.vocab, block_size=args.seq, n_layer=args.n_layer, n_head=args.n_head,
                  n_embd=args.n_embd, seed=0)

@@ -39,8 +39,10 @@ import json
 import os
 import pathlib
 import platform
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 from xml.etree import ElementTree
 
@@ -105,9 +107,11 @@ def gpu_steps(out: pathlib.Path) -> list[Step]:
         steps.append(Step(f"{strategy} {dtype}, world 1, NCCL", "tests",
                           main_job(1, out, name, "--tp", "1", "--pp", "1", "--strategy", strategy, "--dtype", dtype,
                                    "--steps", "6"), 45, 20, json_out=str(out / name / "gpt_tp_pp.json")))
-    for label, args in [(f"{s} fp32", ("--tp", "1", "--pp", "1", "--strategy", s)) for s in ("ddp", "zero1", "zero2", "zero3")] + \
-                       [("tp=2 ddp fp32", ("--tp", "2", "--pp", "1")), ("pp=2 1f1b zero1 bf16", ("--tp", "1", "--pp", "2", "--dtype", "bf16")),
-                        ("cp=2 ring fp32", ("--tp", "1", "--pp", "1", "--cp", "2"))]:
+    fp32 = ("--dtype", "fp32")
+    for label, args in [(f"{s} fp32", ("--tp", "1", "--pp", "1", "--strategy", s, *fp32)) for s in ("ddp", "zero1", "zero2", "zero3")] + \
+                       [("tp=2 ddp fp32", ("--tp", "2", "--pp", "1", *fp32)),
+                        ("pp=2 1f1b zero1 bf16", ("--tp", "1", "--pp", "2", "--dtype", "bf16")),
+                        ("cp=2 ring fp32", ("--tp", "1", "--pp", "1", "--cp", "2", *fp32))]:
         name = "main_world2_gloo_cuda_" + label.replace(" ", "_").replace("=", "")
         steps.append(Step(f"{label}, world 2 sharing the GPU over gloo", "tests",
                           main_job(2, out, name, *args, "--steps", "6"), 50, 25, env=share,
@@ -172,16 +176,30 @@ def junit_counts(path: str) -> dict:
 
 
 def run_step(step: Step) -> dict:
+    """Run one step; a step past its limit is stopped with everything it started (torchrun's workers
+    and test pools run in its session), so nothing of it holds the GPU while the next step runs."""
+    for stale in (step.json_out, step.junit):  # a step that dies early must not report the last run's figures
+        if stale and os.path.exists(stale):
+            os.remove(stale)
     env = dict(os.environ, **step.env)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(BENCH), env.get("PYTHONPATH")]))
     t0 = time.monotonic()
-    try:
-        proc = subprocess.run(step.cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=step.timeout)
-        rc, output = proc.returncode, proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as e:
-        rc = "timeout"
-        output = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-        output += f"\n[killed after {step.timeout} s]"
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(step.cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=step.timeout)
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+            for sig, grace in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):  # torchrun passes SIGTERM on
+                try:
+                    os.killpg(proc.pid, sig)
+                    proc.wait(timeout=grace)
+                    break
+                except (ProcessLookupError, subprocess.TimeoutExpired):
+                    continue
+        log.seek(0)
+        output = log.read() + (f"\n[stopped after its limit of {step.timeout} s]" if rc == "timeout" else "")
     row = {"name": step.name, "part": step.part, "cmd": " ".join(step.cmd[1:] if step.cmd[0] == sys.executable
                                                                    else step.cmd),
            "env": step.env, "seconds": round(time.monotonic() - t0, 1), "rc": rc, "ok": rc == 0,

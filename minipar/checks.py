@@ -50,16 +50,30 @@ def describe(value: Any) -> Any:
     return re.sub(r" at 0x[0-9a-fA-F]+", "", repr(value))  # torch.bfloat16 stays itself; addresses go
 
 
+def _freed(t: torch.Tensor) -> bool:
+    """A tensor whose storage is gone: a parameter of a model a ZeRO-3 wrapper sharded (its full values
+    live in the wrapper's shards only)."""
+    return t.numel() > 0 and t.untyped_storage().nbytes() == 0
+
+
 def model_structure(module: nn.Module) -> list[str]:
-    """"name shape dtype" of every parameter and buffer, in registration order."""
-    return [f"{n} {tuple(t.shape)} {t.dtype}" for n, t in module.state_dict(keep_vars=True).items()]
+    """"name shape dtype" of every parameter and buffer, in registration order ("... freed" when its
+    storage is gone)."""
+    return [f"{n} {tuple(t.shape)} {t.dtype}" + (" freed" if _freed(t) else "")
+            for n, t in module.state_dict(keep_vars=True).items()]
 
 
 def agree_on_model(mesh: Mesh, module: nn.Module, options: dict[str, Any]) -> None:
-    """ValueError on every rank unless every rank of the world holds the same model and options."""
+    """ValueError on every rank unless every rank of the world holds the same model and options, and
+    the model's tensors hold their values."""
+    structure = model_structure(module)
     mesh.comm.check_same("the ShardedModule configuration (model structure and options)",
-                         {"options": describe(options), "model": model_structure(module)}, mesh.world,
-                         where=mesh.where)
+                         {"options": describe(options), "model": structure}, mesh.world, where=mesh.where)
+    freed = [line.split()[0] for line in structure if line.endswith(" freed")]
+    if freed:  # the same on every rank (just agreed): all raise together
+        raise ValueError(f"the model's tensors {freed[:3]}{' ...' if len(freed) > 3 else ''} have no storage: a ZeRO-3 "
+                         "ShardedModule wrapped this model and keeps its values in its shards. Wrap a fresh model "
+                         "(load that wrapper's full_state_dict() into it to go on from where it was)")
 
 
 @torch.no_grad()

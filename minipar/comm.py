@@ -138,6 +138,12 @@ def _is_gloo(group: AxisGroup) -> bool:
     return dist.get_backend(group.pg) == "gloo"
 
 
+def _through_host(tensor: torch.Tensor, group: AxisGroup) -> bool:
+    """gloo's send and receive move host memory only (its collectives take CUDA tensors): a CUDA
+    tensor (gloo ranks on GPUs, MINIPAR_DEVICE=cuda) travels through a host copy."""
+    return tensor.is_cuda and _is_gloo(group)
+
+
 # What one call puts on the wire from this rank under the ring algorithms, as a share of its
 # payload. The collective layer records every call with it (an all-to-all with its actual splits:
 # what it keeps at home is known; the table's entry is the even-split model the planner uses), and
@@ -302,8 +308,12 @@ class Comm:
         """Point-to-point send to group member ``dst``."""
         b = _nbytes(tensor)
         self._record("send", group, tag, b, wire_bytes("send", group.size, b), tensor.dtype, tensor.shape)
+        staged = _through_host(tensor, group)
+        if staged:
+            tensor = tensor.to("cpu")  # waits for the device: the value must exist before it leaves
         if async_op:
-            return dist.isend(tensor, group.ranks[dst], group=group.pg)
+            work = dist.isend(tensor, group.ranks[dst], group=group.pg)
+            return _Joined([work], finish=lambda: tensor) if staged else work  # the host copy lives until wait
         dist.send(tensor, group.ranks[dst], group=group.pg)
         return None
 
@@ -313,6 +323,11 @@ class Comm:
         """Point-to-point receive from group member ``src`` into ``tensor``."""
         self._record("recv", group, tag, _nbytes(tensor), wire_bytes("recv", group.size, _nbytes(tensor)), tensor.dtype,
                      tensor.shape)
+        if _through_host(tensor, group):
+            staging = torch.empty_like(tensor, device="cpu")
+            work = dist.irecv(staging, group.ranks[src], group=group.pg)
+            handle = _Joined([work], finish=lambda: tensor.copy_(staging))
+            return handle if async_op else handle.wait() and None
         if async_op:
             return dist.irecv(tensor, group.ranks[src], group=group.pg)
         dist.recv(tensor, group.ranks[src], group=group.pg)

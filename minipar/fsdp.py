@@ -54,7 +54,7 @@ from torch.utils._pytree import tree_flatten
 
 from .checks import SameUnits
 from .flat import FlatLayout, ShardGroup
-from .grad_buckets import EndOfBackward, GradStaging, LaunchOrder, owner
+from .grad_buckets import EndOfBackward, GradStaging, LaunchOrder, adopt, owner
 from .mesh import Mesh
 from .precision import MixedPrecision
 from .offload import Offload
@@ -151,6 +151,7 @@ class Zero3(ShardedState):
             for j, part in enumerate(u.parts):
                 for i, p in enumerate(part.group.layout.params):
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook(k, j, i)))
+                    adopt(p, self)
         self._hooks.append(module.register_forward_pre_hook(self._root_pre_forward))
         self._hooks.append(module.register_forward_hook(self._root_post_forward))
         self._root = next((u for u in self.units if u.is_root), None)
@@ -271,7 +272,9 @@ class Zero3(ShardedState):
         strategy = weakref.ref(self)
 
         def hook(p: nn.Parameter) -> None:
-            self = owner(strategy)
+            self = owner(strategy, p)
+            if self is None:  # stale: the model was wrapped again
+                return
             u = self.units[k]
             part = u.parts[j]
             self.end_of_backward.arm()

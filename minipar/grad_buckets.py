@@ -52,23 +52,33 @@ class EndOfBackward:
         self.fn()
 
 
-def owner(ref: weakref.ref) -> Any:
-    """The strategy behind a parameter hook's weak reference.
+def adopt(p: nn.Parameter, strategy: Any) -> None:
+    """Record ``strategy`` as the one that now syncs ``p``'s gradient (weakly: see `owner`)."""
+    p.minipar_strategy = weakref.ref(strategy)
+
+
+def owner(ref: weakref.ref, p: nn.Parameter) -> Any:
+    """The strategy behind a parameter hook's weak reference, or None when the hook is stale.
 
     Hooks on parameters hold their strategy weakly. A parameter keeps its hooks
     as long as it lives and a strategy keeps its parameters, so a strong
     reference back would close a cycle through a tensor, which Python's
     collector does not break (torch does not traverse the hooks of a tensor
     that C++ also holds): every model wrapped in a process would outlive its
-    last reference, with its process groups and their threads. A gradient that
-    arrives after the strategy is gone is a model trained without its wrapper,
-    and would silently skip synchronisation: it raises instead.
+    last reference, with its process groups and their threads. When the
+    strategy is gone, its hook is stale if another, living strategy has
+    adopted the parameter since (the model was wrapped again) and does
+    nothing; otherwise a gradient arrived on a model trained without its
+    wrapper, which would silently skip synchronisation, and it raises.
     """
     obj = ref()
-    if obj is None:
-        raise RuntimeError("a gradient reached a parameter whose minipar strategy no longer exists: keep the "
-                           "ShardedModule (or its optimizer) alive for as long as you train the model it wraps")
-    return obj
+    if obj is not None:
+        return obj
+    current = getattr(p, "minipar_strategy", None)
+    if current is not None and current() is not None:
+        return None
+    raise RuntimeError("a gradient reached a parameter whose minipar strategy no longer exists: keep the "
+                       "ShardedModule (or its optimizer) alive for as long as you train the model it wraps")
 
 
 class StagingPool:
@@ -278,12 +288,17 @@ class BucketHooks:
         self.end_of_backward = EndOfBackward(self._finish_backward)
         self._hooks = [p.register_post_accumulate_grad_hook(self._bucket_hook(k, i))
                        for k, b in enumerate(self.buckets) for i, p in enumerate(b.params)]
+        for b in self.buckets:
+            for p in b.params:
+                adopt(p, self)
 
     def _bucket_hook(self, k: int, i: int) -> Callable[[nn.Parameter], None]:
         strategy = weakref.ref(self)  # nothing that holds the parameter: see `owner`
 
         def hook(p: nn.Parameter) -> None:
-            self = owner(strategy)
+            self = owner(strategy, p)
+            if self is None:  # stale: the model was wrapped again
+                return
             bucket = self.buckets[k]
             if self._keeps_local(bucket, i):
                 return

@@ -51,9 +51,10 @@ _SKIP_DIRS = (os.sep + "torch" + os.sep, os.sep + "triton" + os.sep)
 class HostSyncs(TorchFunctionMode):
     """The counting mode; use it through `count_host_syncs`."""
 
-    def __init__(self, host_tensors: Iterable[torch.Tensor] = ()) -> None:
+    def __init__(self, host_tensors: Iterable[torch.Tensor] = (), device_only: bool = False) -> None:
         super().__init__()
         self._host = {t.untyped_storage().data_ptr() for t in host_tensors if t.numel()}
+        self.device_only = device_only
         self.calls: Counter = Counter()  # (what, where) -> count
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -66,6 +67,9 @@ class HostSyncs(TorchFunctionMode):
         return func(*args, **kwargs)
 
     def _syncs(self, func, args, kwargs) -> str | None:
+        if self.device_only and not any(torch.is_tensor(a) and a.device.type != "cpu"
+                                        for a in (*args, *kwargs.values())):
+            return None  # a run on a GPU: a CPU tensor is host memory, reading it waits for nothing
         if func in _READS or func in _VALUE_SHAPED:
             if func in _READS and args and torch.is_tensor(args[0]) and self._on_host(args[0]):
                 return None
@@ -132,11 +136,13 @@ def read_on_host(t: torch.Tensor) -> list:
 
 
 @contextlib.contextmanager
-def count_host_syncs(host_tensors: Iterable[torch.Tensor] = ()) -> Iterator[HostSyncs]:
+def count_host_syncs(host_tensors: Iterable[torch.Tensor] = (), device_only: bool = False) -> Iterator[HostSyncs]:
     """Count, inside the block, the calls that would make the host wait for a GPU (module docstring).
 
     ``host_tensors``: tensors that live on the host by design even in a GPU run (reading them is
-    free), e.g. the ``step`` counts of a non-fused torch optimizer."""
-    mode = HostSyncs(host_tensors)
+    free), e.g. the ``step`` counts of a non-fused torch optimizer. ``device_only``: in a run on a
+    GPU, count only calls on tensors that are not on the CPU (on a CPU test, every tensor stands
+    for a device one: leave it off)."""
+    mode = HostSyncs(host_tensors, device_only)
     with mode:
         yield mode

@@ -87,19 +87,15 @@ def _worker(rank: int, world_size: int, port: int, backend: str, timeout_s: floa
             out = (task_id, rank, True, fn(ctx, *args, **kwargs))
         except BaseException:  # report everything, KeyboardInterrupt included: the parent decides
             out = (task_id, rank, False, traceback.format_exc())
-        _free_task_groups(dist)
-        if os.environ.get("MINIPAR_THREADLOG"):
-            n = int(open(f"/proc/{os.getpid()}/status").read().split("Threads:")[1].split()[0])
-            with open(os.environ["MINIPAR_THREADLOG"], "a") as f:
-                f.write(f"{world_size} {rank} {n} {getattr(fn, '__module__', '?')}.{getattr(fn, '__name__', '?')}\n")
-        if os.environ.get("MINIPAR_THREADLOG"):
-            n = int(open(f"/proc/{os.getpid()}/status").read().split("Threads:")[1].split()[0])
-            with open(os.environ["MINIPAR_THREADLOG"], "a") as f:
-                f.write(f"{world_size} {rank} {n} {getattr(fn, '__module__', '?')}.{getattr(fn, '__name__', '?')}\n")
         try:
             results.put(pickle.dumps(out))
         except Exception:
             results.put(pickle.dumps((task_id, rank, False, "result could not be pickled:\n" + traceback.format_exc())))
+        fn = args = kwargs = out = None  # the task's objects go now, not when the next task replaces them
+        try:  # after the answer: freeing a group may wait for work a failed task left pending
+            _free_task_groups(dist)
+        except Exception:  # noqa: BLE001 -- a group that cannot be freed costs threads, not correctness
+            traceback.print_exc()
     dist.destroy_process_group()
 
 
@@ -248,7 +244,9 @@ class PoolSet:
         if world_size not in self.fallbacks:
             why = (f"minipar.testing: nccl asked for (MINIPAR_TEST_BACKEND=nccl), but world size {world_size} needs "
                    f"{world_size} GPUs (one per rank) and this machine has {gpus}; "
-                   f"world size {world_size} runs on gloo (CPU) instead")
+                   f"world size {world_size} runs on gloo instead"
+                   + (" (its ranks sharing the GPUs: MINIPAR_TEST_DEVICE=cuda)"
+                      if os.environ.get("MINIPAR_TEST_DEVICE") == "cuda" else " (on the CPU)"))
             self.fallbacks[world_size] = why
             print(why, file=sys.stderr, flush=True)
         return "gloo"

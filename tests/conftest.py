@@ -70,6 +70,20 @@ def _kernel_tests_on_the_gpu(request):
         yield
 
 
+@pytest.fixture
+def world_of_one():
+    """torch.distributed over this process alone (``minipar.init()``) for the test, torn down after it:
+    other tests rely on the pytest process having no world."""
+    import minipar
+    import torch.distributed as dist
+    started = not dist.is_initialized()
+    mesh = minipar.init()
+    yield mesh
+    if started:
+        mesh.destroy()
+        dist.destroy_process_group()
+
+
 @pytest.fixture(scope="session")
 def pools():
     """``pools.run(world_size, fn, *args)`` -> every rank's ``fn(ctx, *args)``; pools live for the session."""

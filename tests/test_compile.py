@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import minipar
 from minipar import MixedPrecision, ShardedModule
@@ -45,11 +44,9 @@ def test_the_gpt_compiles_whole_and_trains_as_eager(form):
         torch.testing.assert_close(q, p, msg=lambda m: f"{name}: {m}")
 
 
-def test_compiled_blocks_inside_a_sharded_module_train_as_eager():
+def test_compiled_blocks_inside_a_sharded_module_train_as_eager(world_of_one):
     """ZeRO-1 in bf16 on a world of one (the single-GPU setting of benchmarks/gpt_1gpu.py): the same
     losses and fp32 masters with the transformer blocks compiled."""
-    if not dist.is_initialized():
-        minipar.init()
     results = []
     for compile_blocks in (False, True):
         model = ShardedModule(GPT(GPTConfig(**CFG)), mesh=minipar.Mesh(), strategy="zero1",

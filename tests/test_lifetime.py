@@ -78,3 +78,51 @@ def test_training_a_model_whose_wrapper_is_gone_raises(pools, strategy):
     """(zero3 is not listed: its parameters are views of a buffer the strategy owns, empty without it.)"""
     for rank, message in enumerate(pools.run(2, _train_without_the_wrapper, strategy)):
         assert message is not None and "keep the ShardedModule" in message, f"rank {rank}: {message!r}"
+
+
+def _rewrapped(ctx, first: str, second: str, rewrap: bool):
+    inner = GPT(GPTConfig(**CFG))
+    if rewrap:
+        ShardedModule(inner, mesh=Mesh(), strategy=first)  # dropped: its hooks stay, stale
+        gc.collect()
+    model = ShardedModule(inner, mesh=Mesh(), strategy=second)
+    opt = model.build_optimizer(torch.optim.AdamW, lr=1e-2)
+    gen = torch.Generator().manual_seed(ctx.rank)
+    losses = []
+    for _ in range(2):
+        x = torch.randint(0, 32, (2, 9), generator=gen)
+        losses.append(model.train_step(x[:, :-1], x[:, 1:], gpt_loss).item())
+        model.clip_grad_norm_(0.5)
+        opt.step()
+        opt.zero_grad()
+    return losses, {k: v.clone() for k, v in model.full_state_dict().items()}
+
+
+@pytest.mark.parametrize("first, second", [("ddp", "zero1"), ("zero1", "ddp"), ("zero2", "zero3")])
+def test_a_model_wrapped_again_trains_as_if_wrapped_once(pools, first, second):
+    """The first wrapper's hooks stay on the parameters when it is dropped; once another strategy has
+    adopted them they are stale and do nothing: training equals a model wrapped once. (Not after
+    zero3, which keeps the values in its shards: see the next test.)"""
+    for rank, ((losses, state), (ref_losses, ref_state)) in enumerate(
+            zip(pools.run(2, _rewrapped, first, second, True), pools.run(2, _rewrapped, first, second, False))):
+        assert losses == ref_losses, (rank, losses, ref_losses)
+        for k in ref_state:
+            assert torch.equal(state[k], ref_state[k]), (rank, k)
+
+
+def _wrap_after_zero3(ctx):
+    inner = GPT(GPTConfig(**CFG))
+    ShardedModule(inner, mesh=Mesh(), strategy="zero3")
+    try:
+        ShardedModule(inner, mesh=Mesh(), strategy="ddp")
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_wrapping_a_model_a_zero3_wrapper_sharded_raises_on_every_rank(pools):
+    """Its parameters are views of the wrapper's gathered buffer, empty while sharded: broadcasting them
+    crashed gloo ("Bad address"); now every rank raises with the fix, before any collective on them."""
+    for rank, message in enumerate(pools.run(2, _wrap_after_zero3)):
+        assert message is not None and "have no storage" in message and "Wrap a fresh model" in message, \
+            f"rank {rank}: {message!r}"

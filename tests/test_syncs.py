@@ -7,9 +7,8 @@ kernel takes the branch it takes on a GPU: the counter then sees the GPU path's 
 
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
 import pytest
+import torch
 
 import minipar
 from minipar import MixedPrecision, ShardedModule
@@ -72,8 +71,6 @@ CFG = dict(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16)
 def _steps(strategy: str, options: dict, loss_fn=gpt_loss, model_cfg: dict | None = None):
     """Three training steps (train_step, clip, AdamW, zero_grad) of a GPT on a world of one, with host
     batches; the host syncs of the last two (the first may read one-time state)."""
-    if not dist.is_initialized():
-        minipar.init()
     mesh = minipar.Mesh()
     model = ShardedModule(GPT(GPTConfig(**CFG, **(model_cfg or {}))), mesh=mesh, strategy=strategy, **options)
     opt = model.build_optimizer(torch.optim.AdamW, lr=1e-3, weight_decay=0.1)
@@ -103,7 +100,7 @@ def _steps(strategy: str, options: dict, loss_fn=gpt_loss, model_cfg: dict | Non
     ("zero3", dict(mixed_precision=MixedPrecision(param_dtype=torch.bfloat16)), None),
     ("zero3", dict(activation_checkpointing=True), None),
 ])
-def test_a_training_step_on_one_device_waits_for_nothing(strategy, options, model_cfg):
+def test_a_training_step_on_one_device_waits_for_nothing(world_of_one, strategy, options, model_cfg):
     """The batch given on the host is checked there and copied to the device; the loss, backward,
     gradient sync, clipping (a global norm that stays a tensor) and the fused AdamW step read nothing
     back. (fp16's overflow check must read one flag per step: it is not on this path.)"""
@@ -112,7 +109,7 @@ def test_a_training_step_on_one_device_waits_for_nothing(strategy, options, mode
 
 
 @interpreted
-def test_a_step_that_reads_a_value_is_caught_where_it_reads():
+def test_a_step_that_reads_a_value_is_caught_where_it_reads(world_of_one):
     """The counter can fail the test above: a loss function that logs its value with .item() is one
     sync per step, reported at its line."""
     def logged_loss(logits, targets):
@@ -122,3 +119,13 @@ def test_a_step_that_reads_a_value_is_caught_where_it_reads():
 
     syncs = _steps("ddp", {}, loss_fn=logged_loss)
     assert syncs.total == 2 and all("logged_loss" in where for _, where in syncs.calls), syncs.report()
+
+
+def test_in_a_gpu_run_reads_of_cpu_tensors_are_not_counted():
+    """device_only (what benchmarks/gpt_1gpu.py sets on a GPU): a CPU tensor is host memory there."""
+    t = torch.tensor([1.0, 2.0])
+    with count_host_syncs(device_only=True) as syncs:
+        t.tolist()
+        t[0].item()
+        t[t > 1]
+    assert syncs.total == 0, syncs.report()
