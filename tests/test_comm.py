@@ -695,3 +695,39 @@ def _region_cases(draw):
 @example(case=dict(n=1, seed=8, shape=[3, 4], dim=-2, splits=[[2]]))
 def test_regions_forward_backward_and_counts(pools, case):
     assert pools.run(case["n"], _rank_regions, case) == [True] * case["n"]
+
+
+def _rank_p2p_through_host(ctx):
+    """send/recv with the host-staging path forced on (it serves CUDA tensors over gloo): values and
+    counts as the direct path's, sync and async."""
+    import minipar.comm as comm_module
+    from unittest import mock
+    mesh = Mesh()
+    peer = 1 - mesh.rank
+    out = []
+    with mock.patch.object(comm_module, "_through_host", lambda tensor, group: True), \
+            mesh.comm.counting() as stats:
+        mine = torch.arange(6.0).view(2, 3) + 10 * mesh.rank
+        got = torch.zeros(2, 3)
+        if mesh.rank == 0:
+            mesh.comm.send(mine, peer, mesh.world)
+            mesh.comm.recv(got, peer, mesh.world)
+        else:
+            mesh.comm.recv(got, peer, mesh.world)
+            mesh.comm.send(mine, peer, mesh.world)
+        out.append(got.clone())
+        got2 = torch.zeros(2, 3)
+        works = [mesh.comm.send(mine * 2, peer, mesh.world, async_op=True),
+                 mesh.comm.recv(got2, peer, mesh.world, async_op=True)]
+        for w in works:
+            w.wait()
+        out.append(got2)
+    mesh.destroy()
+    return out, stats.calls("send"), stats.calls("recv")
+
+
+def test_point_to_point_through_a_host_copy_delivers_the_values(pools):
+    for rank, (got, sends, recvs) in enumerate(pools.run(2, _rank_p2p_through_host)):
+        other = torch.arange(6.0).view(2, 3) + 10 * (1 - rank)
+        assert torch.equal(got[0], other) and torch.equal(got[1], 2 * other), rank
+        assert sends == recvs == 2
