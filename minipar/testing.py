@@ -84,19 +84,28 @@ def _worker(rank: int, world_size: int, port: int, backend: str, timeout_s: floa
         task_id, payload = item
         try:
             fn, args, kwargs = pickle.loads(payload)
-            out = (task_id, rank, True, fn(ctx, *args, **kwargs))
+            value = fn(ctx, *args, **kwargs)
+            out = (task_id, rank, True, value if device == "cpu" else _to_host(value))
         except BaseException:  # report everything, KeyboardInterrupt included: the parent decides
             out = (task_id, rank, False, traceback.format_exc())
         try:
             results.put(pickle.dumps(out))
         except Exception:
             results.put(pickle.dumps((task_id, rank, False, "result could not be pickled:\n" + traceback.format_exc())))
-        fn = args = kwargs = out = None  # the task's objects go now, not when the next task replaces them
+        fn = args = kwargs = value = out = None  # the task's objects go now, not when the next task replaces them
         try:  # after the answer: freeing a group may wait for work a failed task left pending
             _free_task_groups(dist)
         except Exception:  # noqa: BLE001 -- a group that cannot be freed costs threads, not correctness
             traceback.print_exc()
     dist.destroy_process_group()
+
+
+def _to_host(result: Any) -> Any:
+    """A result with its tensors copied to the CPU: the caller compares them with references it
+    computed there, whichever device the ranks used."""
+    import torch
+    from torch.utils._pytree import tree_map
+    return tree_map(lambda t: t.cpu() if torch.is_tensor(t) else t, result)
 
 
 def _free_task_groups(dist) -> None:
