@@ -169,14 +169,17 @@ def sync_counts(runner: Runner, x: torch.Tensor) -> dict:
 
 
 def flash_attention_runs(cfg: GPTConfig, device: torch.device) -> str:
-    """Whether the GPT's attention runs with SDPA's flash kernel alone, in bf16 on this device."""
+    """Whether the GPT's own attention module runs with SDPA's flash kernel alone, in bf16 here."""
     if device.type != "cuda":
         return "n/a on CPU"
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    q = torch.randn(2, cfg.n_head, 128, cfg.n_embd // cfg.n_head, device=device, dtype=torch.bfloat16)
+
+    from minipar.models.gpt import CausalSelfAttention
+    attn = CausalSelfAttention(cfg).to(device, torch.bfloat16)
+    x = torch.randn(2, min(cfg.block_size, 256), cfg.n_embd, device=device, dtype=torch.bfloat16)
     try:
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            F.scaled_dot_product_attention(q, q, q, is_causal=True)
+            attn(x).sum().backward()
         return "yes"
     except RuntimeError as e:
         return f"no: {str(e).splitlines()[0]}"

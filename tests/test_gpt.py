@@ -105,3 +105,26 @@ def test_rope_model_has_no_position_table_and_uses_positions():
         GPTConfig(n_embd=6, n_head=2, pos="rope")
     with pytest.raises(ValueError, match="pos='alibi'"):
         GPTConfig(pos="alibi")
+
+
+def test_attention_asks_sdpa_for_its_flash_form():
+    """What SDPA needs to pick its flash kernel on a GPU: causal by flag (is_causal, no mask tensor),
+    no dropout in eval, q/k/v contiguous in the head dimension. (benchmarks/gpt_1gpu.py runs the
+    module with flash alone on a GPU and reports whether it could.)"""
+    from unittest import mock
+
+    import torch.nn.functional as F
+    model = GPT(GPTConfig(n_layer=1, dropout=0.1)).eval()
+    seen = []
+
+    def spy(q, k, v, *args, **kwargs):
+        seen.append((args, kwargs, [t.stride(-1) for t in (q, k, v)]))
+        return real(q, k, v, *args, **kwargs)
+
+    real = F.scaled_dot_product_attention
+    with mock.patch("torch.nn.functional.scaled_dot_product_attention", spy):
+        model(torch.randint(0, 512, (2, 16)))
+    assert len(seen) == 1
+    args, kwargs, strides = seen[0]
+    assert not args and kwargs.get("attn_mask") is None and kwargs["is_causal"] is True
+    assert kwargs.get("dropout_p", 0.0) == 0.0 and strides == [1, 1, 1]
