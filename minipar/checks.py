@@ -115,17 +115,15 @@ def check_batch(mesh: Mesh, inputs: Any, targets: Any, vocab_size: int | None, b
     mine[5] = int(lead is not None and lead.dim() >= 2 and lead.shape[1] % seq_shards != 0)
     shapes = [list(t.shape)[:_SHAPE_DIMS] + [-1] * (_SHAPE_DIMS - min(t.dim(), _SHAPE_DIMS)) if torch.is_tensor(t)
               else [-2] * _SHAPE_DIMS for t in (inputs, targets)]
-    if mesh.world_size == 1:  # nothing to agree on: read the range flags where they are (free on the host)
-        both = torch.stack(flags).to(torch.int64)
-        rows = [(read_on_host(both) if here.type == "cpu" else both.tolist())  # a device batch: one host sync
-                + mine[2:] + shapes[0] + shapes[1] + [active]]
-    else:
-        # the range flags stay on the device (no sync); the rest travels in one host-to-device copy
-        local = torch.cat([torch.stack(flags).to(mesh.device, torch.int64),
-                           torch.tensor(mine[2:] + shapes[0] + shapes[1] + [active], device=mesh.device)])
-        everyone = torch.empty(mesh.world_size * local.numel(), dtype=torch.int64, device=mesh.device)
-        mesh.comm.all_gather(everyone, local, mesh.world, tag="batch_check")
-        rows = everyone.view(mesh.world_size, -1).tolist()  # one host sync per step
+    both = torch.stack(flags).to(torch.int64)
+    # The range flags are read where they are: free for a host batch, one read-back of a device batch.
+    mine = (read_on_host(both) if here.type == "cpu" else both.tolist()) + mine[2:] + shapes[0] + shapes[1] + [active]
+    if mesh.world_size == 1:
+        rows = [mine]
+    else:  # agreed on the host whichever way the batches came: the same collective on every rank
+        everyone = torch.empty(mesh.world_size * len(mine), dtype=torch.int64)
+        mesh.comm.all_gather(everyone, torch.tensor(mine), mesh.host_world, tag="batch_check")
+        rows = read_on_host(everyone.view(mesh.world_size, -1))
     flags = [row.pop() for row in rows]
     lost = [r for r, f in enumerate(flags) if f < 0]
     if lost:
@@ -189,7 +187,7 @@ class SameUnits:
                 continue
             marks = torch.empty(group.size, dtype=torch.int64)
             self.mesh.comm.all_gather(marks, torch.tensor([mark]), group, tag="unit_check")
-            marks = marks.tolist()
+            marks = read_on_host(marks)  # a CPU group: host memory, no device sync
             if len(set(marks)) > 1:
                 raise ValueError(self._message(group, marks))
 

@@ -101,6 +101,12 @@ class Mesh:
         built: dict[tuple, AxisGroup] = {}  # two axes with the same groups (dp_shard = dp) share them
         for axis in AXES:
             self._groups[axis] = self._build_axis(axis, built)
+        # The world again on gloo, for small host-side agreements (the batch check of a host batch)
+        # that must not wait for the device: under nccl every collective reads back through the GPU.
+        self.host_world = self.world
+        if world_size > 1 and dist.get_backend() != "gloo":
+            self.host_world = AxisGroup("world", self.world.ranks, rank,
+                                        self._new_groups([list(range(world_size))], "gloo"))
 
     # -- groups ----------------------------------------------------------------
 

@@ -255,7 +255,7 @@ class ShardedModule(nn.Module):
         The batch is checked first, on every rank (`minipar.checks.check_batch`: ids and targets in
         the vocabulary, ``-100`` ignored; the sequence within the block size; the same shape on tp
         and pp peers), where it is given: a batch on the host is checked there and then copied to
-        ``mesh.device`` (on one GPU the step then never waits for the device, `minipar.syncs`). The global loss is the mean of the data-parallel ranks' losses: the
+        ``mesh.device`` (the step then never waits for the device, `minipar.syncs`). The global loss is the mean of the data-parallel ranks' losses: the
         loss of the global batch when every rank holds the same number of samples.
         The optimizer step is left to the caller. Under pipeline parallelism the
         batch is cut into micro-batches and run by the schedule (`minipar.pipeline.step`).

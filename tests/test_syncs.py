@@ -68,13 +68,14 @@ def test_read_on_host_refuses_a_device_tensor_and_to_device_moves_every_tensor()
 CFG = dict(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16)
 
 
-def _steps(strategy: str, options: dict, loss_fn=gpt_loss, model_cfg: dict | None = None):
-    """Three training steps (train_step, clip, AdamW, zero_grad) of a GPT on a world of one, with host
-    batches; the host syncs of the last two (the first may read one-time state)."""
-    mesh = minipar.Mesh()
+def _steps(strategy: str, options: dict, loss_fn=gpt_loss, model_cfg: dict | None = None, mesh=None,
+           seed: int = 0):
+    """Three training steps (train_step, clip, AdamW, zero_grad) of a GPT with host batches (on a
+    world of one unless ``mesh``); the host syncs of the last two (the first may read one-time state)."""
+    mesh = mesh or minipar.Mesh()
     model = ShardedModule(GPT(GPTConfig(**CFG, **(model_cfg or {}))), mesh=mesh, strategy=strategy, **options)
     opt = model.build_optimizer(torch.optim.AdamW, lr=1e-3, weight_decay=0.1)
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(seed)
     total = None
     for step in range(3):
         x = torch.randint(0, CFG["vocab_size"], (2, 9), generator=gen)
@@ -129,3 +130,23 @@ def test_in_a_gpu_run_reads_of_cpu_tensors_are_not_counted():
         t[0].item()
         t[t > 1]
     assert syncs.total == 0, syncs.report()
+
+
+def _steps_on_ranks(ctx, strategy: str, sizes: dict, options: dict):
+    mesh = minipar.Mesh(**sizes)
+    syncs = _steps(strategy, options, mesh=mesh, seed=ctx.rank)
+    mesh.destroy()
+    return syncs.report() if syncs.total else ""
+
+
+@interpreted
+@pytest.mark.parametrize("strategy, sizes, options", [
+    ("ddp", {}, {}),
+    ("zero3", {}, dict(mixed_precision=MixedPrecision(param_dtype=torch.bfloat16))),
+    ("zero1", dict(pp=2), dict(schedule="1f1b", microbatches=2)),
+])
+def test_a_training_step_on_several_ranks_waits_for_nothing(pools, strategy, sizes, options):
+    """Host batches on 2 ranks: the batch check agrees its verdict on the host (Mesh.host_world), the
+    gradient sync, the loss and the norm stay tensors on the device, so no rank waits for it."""
+    for rank, report in enumerate(pools.run(2, _steps_on_ranks, strategy, sizes, options)):
+        assert report == "", f"rank {rank}: {report}"
