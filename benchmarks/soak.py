@@ -20,7 +20,7 @@ is RSS after the last step over RSS at the end of the warm-up (default: the
 first 10% of the steps), per rank and the largest; the goal is growth < 2%.
 
 Batch check: the per-step check `ShardedModule.train_step` runs first
-(`minipar.checks.check_batch`: one all-gather of 13 int64 per rank over the
+(`minipar.checks.check_batch`: one all-gather of 15 int64 per rank over the
 world, then a host sync) timed alone, ``--check-reps`` calls in a loop on the
 same mesh with a batch of the job's shape, its median beside the median step
 time of the soak (the steps after the warm-up); the goal is under 1% of the
@@ -57,7 +57,7 @@ from gpt_tp_pp import PRESETS, build_model, train_step
 
 RSS_GOAL = 0.02    # largest growth of RSS from the end of the warm-up to the end
 CHECK_GOAL = 0.01  # largest share of the step the batch check may take
-CHECK_INTS = 13    # check_batch gathers 5 + 2 * 4 int64 per rank (four flags, two shapes, the join flag)
+CHECK_INTS = 15    # check_batch gathers 6 + 2 * 4 + 1 int64 per rank (six flags, two shapes, the join flag)
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
@@ -105,12 +105,13 @@ def everyones_rss(mesh) -> list[int]:
 
 def time_batch_check(mesh, x: torch.Tensor, cfg: GPTConfig, reps: int) -> tuple[float, float]:
     """Median seconds of one `check_batch` call on the job's batch, as train_step makes it, and of
-    its all-gather alone (the same ``CHECK_INTS`` int64 per rank over the world): the floor of the check."""
+    its all-gather alone (the same ``CHECK_INTS`` int64 per rank over the host group it uses): the floor
+    of the check."""
     inputs, targets = x[:, :-1], x[:, 1:]
-    local = torch.zeros(CHECK_INTS, dtype=torch.int64, device=mesh.device)
-    everyone = torch.empty(mesh.world_size * CHECK_INTS, dtype=torch.int64, device=mesh.device)
+    local = torch.zeros(CHECK_INTS, dtype=torch.int64)
+    everyone = torch.empty(mesh.world_size * CHECK_INTS, dtype=torch.int64)
     calls = (lambda: check_batch(mesh, inputs, targets, cfg.vocab_size, cfg.block_size),
-             lambda: mesh.comm.all_gather(everyone, local, mesh.world, tag="soak_floor"))
+             lambda: mesh.comm.all_gather(everyone, local, mesh.host_world, tag="soak_floor"))
     sync = torch.cuda.synchronize if mesh.device.type == "cuda" else (lambda: None)  # NCCL returns early
     medians = []
     for call in calls:
