@@ -105,8 +105,7 @@ class Mesh:
         # that must not wait for the device: under nccl every collective reads back through the GPU.
         self.host_world = self.world
         if world_size > 1 and dist.get_backend() != "gloo":
-            self.host_world = AxisGroup("world", self.world.ranks, rank,
-                                        self._new_groups([list(range(world_size))], "gloo"))
+            self.host_world = self.new_group("world", [list(range(world_size))], "gloo")
 
     # -- groups ----------------------------------------------------------------
 
@@ -123,6 +122,19 @@ class Mesh:
             return AxisGroup(axis, tuple(mine), mine.index(self.rank), built[key].pg)
         built[key] = AxisGroup(axis, tuple(mine), mine.index(self.rank), self._new_groups(lists))
         return built[key]
+
+    def new_group(self, name: str, lists: list[list[int]], backend: str | None = None) -> AxisGroup:
+        """Groups of your own beyond the mesh's axes (a parameter server's servers and workers, ...):
+        ``lists`` partition the world (every rank creates every group, in this order: a collective
+        over the world); returns this rank's as an `AxisGroup` named ``name``, freed with the mesh.
+        ``backend``: the groups' own (default: the world's). Lists that do not partition the world
+        raise ValueError on every rank (all are given the same lists) before any group exists."""
+        if sorted(r for ranks in lists for r in ranks) != list(range(self.world_size)):
+            raise ValueError(f"new_group({name!r}): {lists} must hold every rank of the world (0 to "
+                             f"{self.world_size - 1}) exactly once")
+        mine = next(list(ranks) for ranks in lists if self.rank in ranks)
+        pg = self._new_groups(lists, backend)
+        return AxisGroup(name, tuple(mine), mine.index(self.rank), pg if len(mine) > 1 else None)
 
     def _new_groups(self, lists: list[list[int]], backend: str | None = None):
         """Create one process group per rank list (every rank creates every group, in the same

@@ -49,7 +49,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .comm import AxisGroup
 from .grad_norm import scale_by_norm_
 from .mesh import Mesh
 
@@ -98,10 +97,8 @@ class ParameterServer:
                              (servers, mode, staleness, max_norm, [tuple(p.shape) for p in self.params]),
                              self.world, where=mesh.where)
         # The servers' own group, for the norm all-reduce; every rank creates both groups, in order.
-        pg = mesh._new_groups([list(self.server_ranks), list(self.worker_ranks)])
-        mine = self.server_ranks if self.is_server else self.worker_ranks
-        self.group = AxisGroup("ps_servers" if self.is_server else "ps_workers", mine, mine.index(mesh.rank),
-                               pg if len(mine) > 1 else None)
+        self.group = mesh.new_group("ps_servers" if self.is_server else "ps_workers",
+                                    [list(self.server_ranks), list(self.worker_ranks)])
 
         self.versions_used: list[tuple[int, int]] = []  # worker: (step, clock of the parameters it used)
         self.applied: list[tuple[int, int, int]] = []  # server: (worker, its step, updates before it)

@@ -731,3 +731,28 @@ def test_point_to_point_through_a_host_copy_delivers_the_values(pools):
         other = torch.arange(6.0).view(2, 3) + 10 * (1 - rank)
         assert torch.equal(got[0], other) and torch.equal(got[1], 2 * other), rank
         assert sends == recvs == 2
+
+
+def _rank_new_group(ctx):
+    mesh = Mesh()
+    evens_odds = [[r for r in range(ctx.world_size) if r % 2 == p] for p in (0, 1)]
+    group = mesh.new_group("parity", evens_odds)
+    t = torch.tensor([float(ctx.rank)])
+    with mesh.comm.counting() as stats:
+        mesh.comm.all_reduce(t, group)
+    try:
+        mesh.new_group("some", [[0], [1, 2]])  # rank 3 in no group: every rank must refuse, none create
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    mesh.destroy()
+    return group.name, group.ranks, t.item(), stats.calls("all_reduce", "parity"), refused
+
+
+def test_new_group_partitions_ranks_and_refuses_lists_that_do_not(pools):
+    """Mesh.new_group: this rank's group of a partition, named for the counters; lists that leave a
+    rank out raise on every rank before any group is created (creating one is collective)."""
+    for rank, (name, ranks, total, calls, refused) in enumerate(pools.run(4, _rank_new_group)):
+        assert name == "parity" and ranks == tuple(r for r in range(4) if r % 2 == rank % 2)
+        assert total == sum(ranks) and calls == 1
+        assert refused is not None and "exactly once" in refused, (rank, refused)
