@@ -26,8 +26,10 @@ by its *local* norm, before it enters the momentum; the norm returned is that lo
 between ranks. (The variance no longer moves, so clipping only bounds one rank's contribution.)
 
 ZeRO is refused, as DeepSpeed does: the exchange compresses the whole momentum, which ZeRO shards.
-Checkpointing the optimizer after the warm-up is not supported yet (the error-feedback buffers and
-the phase are not in ``state_dict``).
+Checkpoints (`minipar.checkpoint`) keep the per-parameter state as for AdamW (after the warm-up the
+momentum and the frozen denominator) and, per rank, the phase and the error-feedback buffers
+(`rank_state`): a run resumes bit for bit under the layout it was saved with (the buffers are per
+rank and sized by the world), and another layout is refused.
 
 The compressed all-reduce (`compressed_allreduce`), for n ranks and a flat tensor of L elements cut
 into n chunks of c elements (zero-padded to whole blocks; padding is never sent as data), each chunk
@@ -139,12 +141,40 @@ class OneBitAdam(torch.optim.AdamW):
                 state = self.state[p]
                 views[p].copy_(state["exp_avg"].reshape(-1))
                 state["exp_avg"] = views[p].view_as(p)
+                if "denom" in state:  # loaded from a checkpoint taken after the freeze
+                    continue
                 bias2 = 1 - beta2 ** float(state["step"])  # of step K, this parameter's last AdamW step
                 state["denom"] = (state.pop("exp_avg_sq").sqrt() / bias2 ** 0.5).add_(eps)  # as AdamW's
         chunk = chunk_size(self.momentum.numel(), n)
         self.worker_error = torch.zeros(n * chunk, dtype=torch.float32, device=self.momentum.device)
         self.server_error = torch.zeros(chunk, dtype=torch.float32, device=self.momentum.device)
         self.real_mask = real_mask(self.momentum.numel(), n, SCALE_BLOCK, self.momentum.device)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's; state saved after the warm-up (a ``denom`` in place of ``exp_avg_sq``) freezes this
+        optimizer again: one flat momentum buffer, DDP's gradient sync off. `load_rank_state` then
+        restores the step count and the error-feedback buffers."""
+        super().load_state_dict(state_dict)
+        if any("denom" in self.state[p] for p in self._params()):
+            self.steps_taken = max(self.steps_taken, self.freeze_step)
+            self._freeze()
+            self.strategy.grad_sync_off = True
+
+    def rank_state(self) -> dict:
+        """What a checkpoint keeps per rank beside ``state_dict``: the optimizer steps taken, and after
+        the warm-up this rank's error-feedback buffers (they differ between ranks)."""
+        return {"steps_taken": self.steps_taken,
+                "worker_error": self.worker_error.clone() if self.worker_error is not None else None,
+                "server_error": self.server_error.clone() if self.server_error is not None else None}
+
+    def load_rank_state(self, state: dict) -> None:
+        self.steps_taken = state["steps_taken"]
+        if (state["worker_error"] is None) != (self.worker_error is None):
+            raise ValueError("OneBitAdam.load_rank_state: the phase of the rank state (warm-up or frozen) is not "
+                             "the phase of the optimizer state loaded with it")
+        if self.worker_error is not None:
+            self.worker_error.copy_(state["worker_error"])
+            self.server_error.copy_(state["server_error"])
 
     def _compressed_step(self) -> None:
         for group in self.param_groups:  # m <- b1 m + (1 - b1) g_local: this rank's gradient only

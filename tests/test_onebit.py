@@ -385,3 +385,51 @@ def test_bad_construction_is_refused():
         OneBitAdam(params, lr=1e-3, freeze_step=2, strategy=LooksLikeDDP())
     with pytest.raises(ValueError, match="freeze_step=0"):
         OneBitAdam(params, lr=1e-3, freeze_step=0)
+
+
+# -- checkpoints ------------------------------------------------------------------------------
+
+def _onebit_resume(ctx, data: torch.Tensor, local_bs: int, path: str, save_after: int, freeze_step: int):
+    """Steps 0..S-1 uninterrupted; and the same run saved after ``save_after`` steps, resumed in a new
+    model and optimizer: (losses, final parameters) of both."""
+    from minipar import checkpoint
+
+    def build():
+        model = ShardedModule(GPT(GPTConfig(**CFG, seed=3)), mesh=Mesh(), strategy="ddp", bucket_cap_mb=0.01)
+        return model, model.build_optimizer(OneBitAdam, lr=LR, weight_decay=WD, eps=EPS, freeze_step=freeze_step)
+
+    model, opt = build()
+    straight = [_step(model, opt, data, s, ctx.rank, local_bs)[0] for s in range(data.shape[0])]
+    want = {k: v.clone() for k, v in model.module.state_dict().items()}
+    model, opt = build()
+    resumed = [_step(model, opt, data, s, ctx.rank, local_bs)[0] for s in range(save_after)]
+    checkpoint.save(path, model, opt)
+    model, opt = build()  # new model, new optimizer: everything comes from the files
+    checkpoint.load(path, model, opt)
+    resumed += [_step(model, opt, data, s, ctx.rank, local_bs)[0] for s in range(save_after, data.shape[0])]
+    got = {k: v.clone() for k, v in model.module.state_dict().items()}
+    sync_off = model.strategy.grad_sync_off
+    mesh = Mesh(tp=2)  # another layout: the error feedback is per rank, the load is refused
+    other = ShardedModule(GPT(GPTConfig(**CFG, seed=3)), mesh=mesh, strategy="ddp")
+    try:
+        checkpoint.load(path, other, other.build_optimizer(OneBitAdam, lr=LR, freeze_step=freeze_step))
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    return straight, want, resumed, got, sync_off, refused
+
+
+@pytest.mark.parametrize("save_after", [1, 4])
+def test_a_checkpoint_resumes_bitwise_before_and_after_the_freeze(pools, tmp_path, save_after):
+    """Saved in the warm-up (step 1 of freeze 2) or after the freeze (step 4): the resumed run's losses
+    and parameters are bitwise the uninterrupted run's (momentum, frozen denominator, the error
+    feedback of each rank and the phase all restored); under another layout the load is refused."""
+    steps, local_bs, world = 6, 2, 2
+    data = batches(11, steps, 1, world, local_bs, CFG["block_size"], CFG["vocab_size"])
+    for rank, (straight, want, resumed, got, sync_off, refused) in enumerate(
+            pools.run(world, _onebit_resume, data, local_bs, str(tmp_path / "ckpt"), save_after, 2)):
+        assert resumed == straight, (rank, resumed, straight)
+        for k in want:
+            assert torch.equal(got[k], want[k]), (rank, k)
+        assert sync_off
+        assert refused is not None and "per-rank OneBitAdam state" in refused, (rank, refused)

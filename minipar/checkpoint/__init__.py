@@ -163,7 +163,7 @@ def save(path: str | os.PathLike, model, optimizer, extra_state: Any = None) -> 
     payload = {"format": FORMAT, "version": VERSION, "rank": mesh.rank, "pieces": pieces, "buffers": buffers,
                "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
                "rng": _rng_state(model), "scaler": scaler.state_dict() if scaler is not None else None,
-               "extra_state": extra_state}
+               "extra_state": extra_state, "optimizer_rank_state": getattr(opt, "rank_state", lambda: None)()}
     fname = f"rank{mesh.rank:05d}.pt"
     error, info = None, None
     try:
@@ -259,6 +259,9 @@ def _prepare(path: Path, model, optimizer, slots: list[Slot], all_params: dict, 
     share = sorted(manifest["files"])[mesh.rank::mesh.world_size]
     check_sums(path, manifest, [f for f in share if f not in files])
     payloads = {f: read_rank_file(path, f, manifest) for f in files}
+    if payloads[own].get("optimizer_rank_state") is not None and (not same_layout or topt is None):
+        raise CheckpointError(f"the checkpoint holds per-rank {manifest['optimizer']} state (1-bit Adam's error "
+                              "feedback): load it with that optimizer under the layout it was saved with")
     pieces: dict[str, list[dict]] = defaultdict(list)
     buffers: dict[str, torch.Tensor] = {}
     for payload in payloads.values():
@@ -344,7 +347,7 @@ def _prepare(path: Path, model, optimizer, slots: list[Slot], all_params: dict, 
     return {"owners": list(new_owner.values()), "optimizer": opt_sd,
             "buffers": {b: buffers[names[id(b)]] for b in model.module.buffers() if id(b) in names},
             "rng": own_payload["rng"], "same_layout": same_layout, "scaler": own_payload["scaler"],
-            "extra_state": own_payload["extra_state"]}
+            "extra_state": own_payload["extra_state"], "rank_state": own_payload.get("optimizer_rank_state")}
 
 
 def _apply(model, optimizer, plan: dict) -> Any:
@@ -358,6 +361,8 @@ def _apply(model, optimizer, plan: dict) -> Any:
         model.strategy.scaler.load_state_dict(plan["scaler"])
     if optimizer is not None and plan["optimizer"] is not None:
         optimizer_of(optimizer).load_state_dict(plan["optimizer"])
+        if plan["rank_state"] is not None:
+            optimizer_of(optimizer).load_rank_state(plan["rank_state"])
     _set_rng_state(model, plan["rng"], plan["same_layout"])
     return plan["extra_state"]
 
