@@ -47,37 +47,37 @@ def _gelu_s_and_du(x):
 
 
 @triton.jit
-def gelu_fwd_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+def gelu_fwd_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr, INTERPRETED: tl.constexpr):
     """y = x s, s = sigmoid(2u): gelu with the tanh approximation."""
     offs, mask = _offsets(n, BLOCK)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     s, _ = _gelu_s_and_du(x)
-    tl.store(y_ptr + offs, round_to(x * s, y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + offs, round_to(x * s, y_ptr.dtype.element_ty, INTERPRETED), mask=mask)
 
 
 @triton.jit
-def gelu_bwd_kernel(x_ptr, dy_ptr, dx_ptr, n, BLOCK: tl.constexpr):
+def gelu_bwd_kernel(x_ptr, dy_ptr, dx_ptr, n, BLOCK: tl.constexpr, INTERPRETED: tl.constexpr):
     """dx = dy (s + 2 x s (1 - s) u'), s recomputed from the saved x."""
     offs, mask = _offsets(n, BLOCK)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     s, du = _gelu_s_and_du(x)
     dx = dy * (s + 2.0 * x * s * (1.0 - s) * du)
-    tl.store(dx_ptr + offs, round_to(dx, dx_ptr.dtype.element_ty), mask=mask)
+    tl.store(dx_ptr + offs, round_to(dx, dx_ptr.dtype.element_ty, INTERPRETED), mask=mask)
 
 
 @triton.jit
-def swiglu_fwd_kernel(g_ptr, v_ptr, y_ptr, n, BLOCK: tl.constexpr):
+def swiglu_fwd_kernel(g_ptr, v_ptr, y_ptr, n, BLOCK: tl.constexpr, INTERPRETED: tl.constexpr):
     """y = g sigmoid(g) v, rounded once (PyTorch rounds silu(g) and then the product)."""
     offs, mask = _offsets(n, BLOCK)
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     y = g * _sigmoid(g) * v
-    tl.store(y_ptr + offs, round_to(y, y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + offs, round_to(y, y_ptr.dtype.element_ty, INTERPRETED), mask=mask)
 
 
 @triton.jit
-def swiglu_bwd_kernel(g_ptr, v_ptr, dy_ptr, dg_ptr, dv_ptr, n, BLOCK: tl.constexpr):
+def swiglu_bwd_kernel(g_ptr, v_ptr, dy_ptr, dg_ptr, dv_ptr, n, BLOCK: tl.constexpr, INTERPRETED: tl.constexpr):
     """dg = dy v s (1 + g (1 - s)), dv = dy g s, s = sigmoid(g) recomputed from the saved gate."""
     offs, mask = _offsets(n, BLOCK)
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -86,5 +86,5 @@ def swiglu_bwd_kernel(g_ptr, v_ptr, dy_ptr, dg_ptr, dv_ptr, n, BLOCK: tl.constex
     s = _sigmoid(g)
     dg = dy * v * s * (1.0 + g * (1.0 - s))
     dv = dy * g * s
-    tl.store(dg_ptr + offs, round_to(dg, dg_ptr.dtype.element_ty), mask=mask)
-    tl.store(dv_ptr + offs, round_to(dv, dv_ptr.dtype.element_ty), mask=mask)
+    tl.store(dg_ptr + offs, round_to(dg, dg_ptr.dtype.element_ty, INTERPRETED), mask=mask)
+    tl.store(dv_ptr + offs, round_to(dv, dv_ptr.dtype.element_ty, INTERPRETED), mask=mask)

@@ -15,7 +15,7 @@ BLOCK = 1024
 def adamw_step_kernel(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, out_ptr, n,
                       decay, weight_decay, lerp_weight, beta2, one_minus_beta2, neg_step_size,
                       bias_correction2_sqrt, eps,
-                      L2: tl.constexpr, HAS_OUT: tl.constexpr, BLOCK: tl.constexpr):
+                      L2: tl.constexpr, HAS_OUT: tl.constexpr, BLOCK: tl.constexpr, INTERPRETED: tl.constexpr):
     """Program i: the Adam/AdamW update of elements [i*BLOCK, (i+1)*BLOCK), in fp32, in torch's order.
 
     Scalars arrive as fp32, rounded from the host's doubles exactly as torch
@@ -46,4 +46,4 @@ def adamw_step_kernel(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, out_ptr,
     tl.store(exp_avg_ptr + offs, m, mask=mask)
     tl.store(exp_avg_sq_ptr + offs, v, mask=mask)
     if HAS_OUT:
-        tl.store(out_ptr + offs, round_to(p, out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + offs, round_to(p, out_ptr.dtype.element_ty, INTERPRETED), mask=mask)

@@ -56,7 +56,7 @@ def row_stats_kernel(z_ptr, t_ptr, m_ptr, s_ptr, zt_ptr, sz_ptr, V, stride_row, 
 
 @triton.jit
 def xent_grad_kernel(z_ptr, lse_ptr, t_ptr, coef_ptr, g_ptr, V, stride_row, vocab_start, smooth, hit,
-                     BLOCK_V: tl.constexpr):
+                     BLOCK_V: tl.constexpr, INTERPRETED: tl.constexpr):
     """Program i: g[i, j] = coef_i * (exp(z_ij - lse_i) - smooth - hit [j = t_i - vocab_start]).
 
     smooth = eps / V_global, hit = 1 - eps. g is contiguous (N, V).
@@ -73,4 +73,4 @@ def xent_grad_kernel(z_ptr, lse_ptr, t_ptr, coef_ptr, g_ptr, V, stride_row, voca
         z = tl.load(z_row + cols, mask=mask, other=0.0).to(tl.float32)
         g = tl.exp(z - lse) - smooth  # the softmax, recomputed from the saved log-sum-exp
         g = tl.where(cols == local_t, g - hit, g)
-        tl.store(g_row + cols, round_to(coef * g, g_ptr.dtype.element_ty), mask=mask)
+        tl.store(g_row + cols, round_to(coef * g, g_ptr.dtype.element_ty, INTERPRETED), mask=mask)

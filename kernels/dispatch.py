@@ -12,14 +12,26 @@ Triton fixes the interpreter-or-compiler choice when a ``@triton.jit`` function
 is *defined*, so the Triton modules (``*_triton.py``) are imported only here,
 at their first use: ``import minipar`` neither imports triton nor freezes that
 choice.
+
+Every kernel that stores a low-precision result declares a constexpr
+``INTERPRETED``; `launch` sets it from `interpreting`, so the GPU build never
+contains the interpreter's exactness workaround (see ``common_triton.round_to``)
+and the choice costs nothing at run time.
+
+`recording` is how the static checks (``tests/test_kernels_sass.py``) see the
+launches a public function makes: inside it the Triton path is taken for any
+tensor and each launch is recorded, with its grid and arguments, instead of run.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
+import contextlib
 from collections import Counter
+from dataclasses import dataclass
 from types import ModuleType
+from typing import Any, Iterator
 
 import torch
 
@@ -27,6 +39,19 @@ import torch
 launches: Counter = Counter()
 
 _TRUE = ("1", "true", "on", "yes")  # the spellings triton itself accepts for a boolean variable
+
+
+@dataclass
+class Launch:
+    """One recorded launch: the kernel, its grid, and the arguments it was given."""
+    kernel: Any
+    grid: tuple
+    args: tuple
+    kwargs: dict
+
+
+# Set only inside `recording`: the list its launches go to (instead of running).
+_recorded: list[Launch] | None = None
 
 
 def interpreting() -> bool:
@@ -39,7 +64,7 @@ def use_triton(tensor: torch.Tensor) -> bool:
     everywhere with ``MINIPAR_KERNELS=torch``."""
     if os.environ.get("MINIPAR_KERNELS", "triton").strip().lower() == "torch":
         return False
-    return tensor.is_cuda or interpreting()
+    return tensor.is_cuda or interpreting() or _recorded is not None
 
 
 def triton_module(name: str) -> ModuleType:
@@ -48,6 +73,25 @@ def triton_module(name: str) -> ModuleType:
 
 
 def launch(kernel, grid: tuple, *args, **kwargs) -> None:
-    """``kernel[grid](*args, **kwargs)``, counted in ``launches`` under the kernel's name."""
+    """``kernel[grid](*args, **kwargs)``, counted in ``launches`` under the kernel's name; a kernel with
+    an ``INTERPRETED`` constexpr is told whether it runs under the interpreter."""
     launches[kernel.__name__] += 1
+    if "INTERPRETED" in kernel.arg_names:
+        kwargs["INTERPRETED"] = interpreting()
+    if _recorded is not None:
+        _recorded.append(Launch(kernel, tuple(grid), args, kwargs))
+        return
     kernel[grid](*args, **kwargs)
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[Launch]]:
+    """Inside: every public kernel function takes its Triton path, whatever the tensors' device, and
+    its launches are appended to the list yielded instead of running (outputs stay unwritten). For
+    reading what a launcher passes (``tests/test_kernels_sass.py``); not for computing anything."""
+    global _recorded
+    outer, _recorded = _recorded, []
+    try:
+        yield _recorded
+    finally:
+        _recorded = outer

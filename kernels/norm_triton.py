@@ -33,21 +33,21 @@ def warps_for(block_d: int) -> int:
 
 @triton.jit
 def layer_norm_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, D, eps,
-                          HAS_W: tl.constexpr, HAS_B: tl.constexpr, BLOCK_D: tl.constexpr):
+                          HAS_W: tl.constexpr, HAS_B: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRETED: tl.constexpr):
     """Program r: y[r] = (x[r] - mu) * rstd * w + b, and mean[r] = mu (fp32-rounded), rstd[r] = rstd."""
-    _norm_fwd_row(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, D, eps, HAS_W, HAS_B, False, BLOCK_D)
+    _norm_fwd_row(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, D, eps, HAS_W, HAS_B, False, BLOCK_D, INTERPRETED)
 
 
 @triton.jit
-def rms_norm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, D, eps, HAS_W: tl.constexpr, BLOCK_D: tl.constexpr):
+def rms_norm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, D, eps, HAS_W: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRETED: tl.constexpr):
     """Program r: y[r] = x[r] * rstd * w, and rstd[r] = rstd."""
     # b_ptr and mean_ptr are never touched when IS_RMS: any pointer fills their places
-    _norm_fwd_row(x_ptr, w_ptr, x_ptr, y_ptr, rstd_ptr, rstd_ptr, D, eps, HAS_W, False, True, BLOCK_D)
+    _norm_fwd_row(x_ptr, w_ptr, x_ptr, y_ptr, rstd_ptr, rstd_ptr, D, eps, HAS_W, False, True, BLOCK_D, INTERPRETED)
 
 
 @triton.jit
 def _norm_fwd_row(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, D, eps,
-                  HAS_W: tl.constexpr, HAS_B: tl.constexpr, IS_RMS: tl.constexpr, BLOCK_D: tl.constexpr):
+                  HAS_W: tl.constexpr, HAS_B: tl.constexpr, IS_RMS: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRETED: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)  # int64: row * D can pass 2**31 on large inputs
     x_row = x_ptr + row * D
     y_row = y_ptr + row * D
@@ -91,7 +91,7 @@ def _norm_fwd_row(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, D, eps,
             y = y * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_B:
             y = y + tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(y_row + cols, round_to(y, y_ptr.dtype.element_ty), mask=mask)
+        tl.store(y_row + cols, round_to(y, y_ptr.dtype.element_ty, INTERPRETED), mask=mask)
 
 
 # ----------------------------------------------------------------------------- backward
@@ -99,24 +99,24 @@ def _norm_fwd_row(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, D, eps,
 @triton.jit
 def layer_norm_bwd_kernel(x_ptr, w_ptr, dy_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_part_ptr, db_part_ptr,
                           n_rows, D, rows_per_program,
-                          HAS_W: tl.constexpr, HAS_B: tl.constexpr, BLOCK_D: tl.constexpr):
+                          HAS_W: tl.constexpr, HAS_B: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRETED: tl.constexpr):
     """Program (p, j): dx of rows [p R, p R + R) in column block j; their dw, db sums into row p of the partials."""
     _norm_bwd_rows(x_ptr, w_ptr, dy_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_part_ptr, db_part_ptr,
-                   n_rows, D, rows_per_program, HAS_W, HAS_B, False, BLOCK_D)
+                   n_rows, D, rows_per_program, HAS_W, HAS_B, False, BLOCK_D, INTERPRETED)
 
 
 @triton.jit
 def rms_norm_bwd_kernel(x_ptr, w_ptr, dy_ptr, rstd_ptr, dx_ptr, dw_part_ptr, n_rows, D, rows_per_program,
-                        HAS_W: tl.constexpr, BLOCK_D: tl.constexpr):
+                        HAS_W: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRETED: tl.constexpr):
     """Program (p, j): dx of rows [p R, p R + R) in column block j; their dw sums into row p of the partials."""
     _norm_bwd_rows(x_ptr, w_ptr, dy_ptr, rstd_ptr, rstd_ptr, dx_ptr, dw_part_ptr, dw_part_ptr,
-                   n_rows, D, rows_per_program, HAS_W, False, True, BLOCK_D)
+                   n_rows, D, rows_per_program, HAS_W, False, True, BLOCK_D, INTERPRETED)
 
 
 @triton.jit
 def _norm_bwd_rows(x_ptr, w_ptr, dy_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_part_ptr, db_part_ptr,
                    n_rows, D, rows_per_program,
-                   HAS_W: tl.constexpr, HAS_B: tl.constexpr, IS_RMS: tl.constexpr, BLOCK_D: tl.constexpr):
+                   HAS_W: tl.constexpr, HAS_B: tl.constexpr, IS_RMS: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRETED: tl.constexpr):
     p = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = cols < D
@@ -167,7 +167,7 @@ def _norm_bwd_rows(x_ptr, w_ptr, dy_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_part_ptr
         if HAS_W:  # reloaded per row (from cache): held across rows, w would spill registers at BLOCK_D = 8192
             g = dy * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         dx = (g - xhat * mean_gx - mean_g) * rstd
-        tl.store(dx_ptr + row * D + cols, round_to(dx, dx_ptr.dtype.element_ty), mask=mask)
+        tl.store(dx_ptr + row * D + cols, round_to(dx, dx_ptr.dtype.element_ty, INTERPRETED), mask=mask)
         if HAS_W:
             dw_acc += dy * xhat
         if HAS_B:

@@ -23,7 +23,7 @@ def gather_rows_kernel(x_ptr, index_ptr, out_ptr, D, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
-def segment_sum_rows_kernel(y_ptr, order_ptr, start_ptr, count_ptr, out_ptr, D, BLOCK_D: tl.constexpr):
+def segment_sum_rows_kernel(y_ptr, order_ptr, start_ptr, count_ptr, out_ptr, D, BLOCK_D: tl.constexpr, INTERPRETED: tl.constexpr):
     """Program (n, j): out[n, cols j] = sum over k < count[n] of y[order[start[n] + k], cols j], in fp32."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -35,4 +35,4 @@ def segment_sum_rows_kernel(y_ptr, order_ptr, start_ptr, count_ptr, out_ptr, D, 
         src = tl.load(order_ptr + first + k)
         # upcast on load: sums in fp32 (and bf16 arithmetic is wrong under the interpreter)
         acc += tl.load(y_ptr + src * D + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * D + cols, round_to(acc, out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * D + cols, round_to(acc, out_ptr.dtype.element_ty, INTERPRETED), mask=mask)
