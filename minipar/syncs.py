@@ -6,7 +6,7 @@ the device stops the host until the device has finished everything queued
 before it, so the next kernels start late. Such calls are reading a value
 (``item``, ``tolist``, ``bool(t)``, ``int(t)``, ``numpy``), and operations whose
 *result shape* depends on values (``nonzero``, boolean-mask indexing,
-``masked_select``, ``unique``, ``repeat_interleave`` without ``output_size``).
+``masked_select``, ``unique``, ``bincount``, ``repeat_interleave`` without ``output_size``).
 
 On a CPU nothing waits, but the code makes the same calls: `count_host_syncs`
 records them as they are made, with where they were made from, so a test on a
@@ -41,7 +41,8 @@ _READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.numpy, torch.Tens
           torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.__complex__}
 _VALUE_SHAPED = {torch.nonzero, torch.Tensor.nonzero, torch.argwhere, torch.Tensor.argwhere, torch.masked_select,
                  torch.Tensor.masked_select, torch.unique, torch.Tensor.unique, torch.unique_consecutive,
-                 torch.Tensor.unique_consecutive, torch.equal, torch.allclose, torch.Tensor.allclose}
+                 torch.Tensor.unique_consecutive, torch.equal, torch.allclose, torch.Tensor.allclose,
+                 torch.bincount, torch.Tensor.bincount}  # bincount: its length is max(input) + 1, read back
 _INDEXING = {torch.Tensor.__getitem__, torch.Tensor.__setitem__}
 _REPEAT = {torch.repeat_interleave, torch.Tensor.repeat_interleave}
 _THIS_FILE = os.path.abspath(__file__)
