@@ -15,14 +15,18 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
+from unittest import mock
+
 from minipar import kernels
 from minipar.kernels.activation import gelu, swiglu
+from minipar.syncs import count_host_syncs
 
 from kernel_testing import interpreted, launched, lowp_ok, pytorch_path, run_interpreted
 
-# Element counts: anything up to 5000, the block edges (1024 per program) with 1-element tails,
-# and matrices (any count up to 4900) so a transposed layout is really non-contiguous.
-SIZES = st.one_of(st.integers(0, 5000), st.sampled_from([0, 1, 1023, 1024, 1025, 2049, 4097]))
+# Element counts: anything up to 9000, the block edges (2048 per program below 4096 elements, 4096 from
+# there) with 1-element tails, and matrices (any count up to 4900) so a transposed layout is really
+# non-contiguous.
+SIZES = st.one_of(st.integers(0, 9000), st.sampled_from([0, 1, 2047, 2049, 4095, 4096, 4097, 8193]))
 SHAPES = st.one_of(SIZES.map(lambda n: (n,)), st.tuples(st.integers(0, 70), st.integers(0, 70)))
 LAYOUTS = st.sampled_from(["contiguous", "strided", "transposed"])
 LOWP = [torch.bfloat16, torch.float16]
@@ -139,6 +143,53 @@ def test_gradient_of_one_input_only():
         swiglu(gate, up).sum().backward()
     assert gate.grad is None
     torch.testing.assert_close(up.grad, F.silu(gate))
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int64_offsets(dtype):
+    """The int64-offset variant (what a tensor near 2**31 elements gets) computes what the int32 one does:
+    forced here, with blocks of 256, on a size with a ragged last block."""
+    tk = kernels.dispatch.triton_module("activation_triton")
+    g = torch.Generator().manual_seed(5)
+    gate, up, grad_y = (make((1000,), "contiguous", 4.0, g, dtype) for _ in range(3))
+    want = [forward_backward(gelu, [gate], grad_y), forward_backward(swiglu, [gate, up], grad_y)]
+    with mock.patch.object(tk, "config", lambda n: dict(BLOCK=256, INT64=True, num_warps=4)):
+        with launched("gelu_fwd_kernel"), launched("swiglu_bwd_kernel"):
+            got = [forward_backward(gelu, [gate], grad_y), forward_backward(swiglu, [gate, up], grad_y)]
+    for (y, grads), (want_y, want_grads) in zip(got, want):
+        assert torch.equal(y, want_y)
+        assert all(torch.equal(a, b) for a, b in zip(grads, want_grads))
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_equals_eager(dtype):
+    """Inside torch.compile (fullgraph, aot_eager) gelu and swiglu trace as their custom ops: the compiled
+    forward and backward launch the kernels and equal eager bit for bit (the same kernels run)."""
+    g = torch.Generator().manual_seed(7)
+    gate, up, grad_y = (make((33, 70), "contiguous", 4.0, g, dtype) for _ in range(3))
+    for fn, inputs, names in ((gelu, [gate], ("gelu_fwd_kernel", "gelu_bwd_kernel")),
+                              (swiglu, [gate, up], ("swiglu_fwd_kernel", "swiglu_bwd_kernel"))):
+        torch._dynamo.reset()
+        compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
+        with launched(names[0]), launched(names[1]):
+            y, grads = forward_backward(compiled, inputs, grad_y)
+        want_y, want_grads = forward_backward(fn, inputs, grad_y)
+        assert torch.equal(y, want_y)
+        assert all(torch.equal(a, b) for a, b in zip(grads, want_grads))
+
+
+@interpreted
+def test_launchers_make_no_host_sync():
+    """gelu and swiglu, forward and backward, with a non-contiguous input: nothing would make the host wait
+    for a GPU (``minipar.syncs``; the interpreter's own reads are not counted)."""
+    g = torch.Generator().manual_seed(3)
+    gate, up = make((40, 30), "transposed", 2.0, g, torch.bfloat16), make((40, 30), "strided", 1.0, g, torch.bfloat16)
+    with count_host_syncs() as syncs, launched("gelu_bwd_kernel"), launched("swiglu_bwd_kernel"):
+        forward_backward(gelu, [gate], torch.ones_like(gate))
+        forward_backward(swiglu, [gate, up], torch.ones_like(gate))
+    assert not syncs.calls, syncs.report()
 
 
 @interpreted
