@@ -30,12 +30,12 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from collections import Counter
-from typing import Any, Iterable, Iterator
+from collections import Counter, defaultdict
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 _READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__bool__, torch.Tensor.__int__,
           torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.__complex__}
@@ -118,14 +118,48 @@ def _caller() -> str | None:
 def to_device(tree: Any, device: torch.device) -> Any:
     """Every tensor of ``tree`` (a tensor, or tuples/lists/dicts of them) on ``device``, without waiting
     for it: a copy from pageable host memory waits for the device's queue to drain, one from pinned
-    memory does not (so a host batch is pinned first; pinning is host work)."""
+    memory does not (so a host batch is pinned first; pinning is host work).
+
+    Views of one host tensor (a batch and its shifted targets, ``x[:, :-1]`` and ``x[:, 1:]``) travel
+    as one copy of the span of memory they cover and are rebuilt as the same views on the device
+    (`by_span`): a view that is not contiguous would otherwise be copied through a pageable staging
+    tensor, which waits for the device."""
+    if device.type == "cuda":
+        leaves, spec = tree_flatten(tree)
+        return tree_unflatten(by_span(leaves, lambda t: t.pin_memory().to(device, non_blocking=True)), spec)
+
     def move(t: Any) -> Any:
-        if not torch.is_tensor(t) or t.device == device:
-            return t
-        if t.device.type == "cpu" and device.type == "cuda":
-            return t.pin_memory().to(device, non_blocking=True)
-        return t.to(device)
+        return t.to(device) if torch.is_tensor(t) and t.device != device else t
     return tree_map(move, tree)
+
+
+def by_span(leaves: list, copy: Callable[[torch.Tensor], torch.Tensor]) -> list:
+    """``leaves`` with each CPU tensor replaced by its image under ``copy``, a function that moves a
+    *contiguous* tensor. Tensors that view one storage in one dtype share a single copy of the span
+    they cover (then ``as_strided`` views of it), when that span is at most twice their elements (a
+    small slice of a large tensor is copied alone, made contiguous first). Leaves that are not CPU
+    tensors, empty tensors and tensors that require grad pass through ``copy`` alone or unchanged."""
+    out = list(leaves)
+    groups: dict[tuple, list[int]] = defaultdict(list)
+    for i, t in enumerate(leaves):
+        if torch.is_tensor(t) and t.device.type == "cpu":
+            if t.numel() == 0 or t.requires_grad:
+                out[i] = copy(t.contiguous())
+            else:
+                groups[(t.untyped_storage().data_ptr(), t.dtype)].append(i)
+    for (_, dtype), members in groups.items():
+        views = [leaves[i] for i in members]
+        lo = min(v.storage_offset() for v in views)
+        hi = max(v.storage_offset() + 1 + sum((n - 1) * st for n, st in zip(v.shape, v.stride())) for v in views)
+        if hi - lo > 2 * sum(v.numel() for v in views):
+            for i, v in zip(members, views):
+                out[i] = copy(v.contiguous())
+            continue
+        span = torch.empty(0, dtype=dtype).set_(views[0].untyped_storage(), lo, (hi - lo,), (1,))
+        moved = copy(span)
+        for i, v in zip(members, views):
+            out[i] = moved.as_strided(v.shape, v.stride(), v.storage_offset() - lo)
+    return out
 
 
 def read_on_host(t: torch.Tensor) -> list:

@@ -46,7 +46,7 @@ import torch.nn as nn
 
 from .ddp import bucket_params
 from .flat import FlatLayout, ShardGroup
-from .grad_buckets import BucketHooks, GradStaging, ShardBucket, claim, divide_into
+from .grad_buckets import BucketHooks, GradStaging, ShardBucket, claim, divide_all_into
 from .mesh import Mesh
 from .offload import Offload
 from .precision import MixedPrecision
@@ -135,8 +135,8 @@ class FullGrads(ShardBucket):
 
     It plays `GradStaging`'s part in `LaunchOrder` (add, launch, land). Contents:
 
-    * after ``reset`` (zero_grad), "fresh": undefined. A parameter's first gradient overwrites its
-      view (one pass: divide while copying); a parameter that got none is zeroed at launch.
+    * after ``reset`` (zero_grad), "fresh": undefined. The gradients handed over overwrite their
+      views at launch, all at once (`divide_all_into`); a parameter that got none is zeroed there.
     * after a reduce-scatter lands: this rank's slice holds the reduced mean, the rest this rank's
       stale input. Before anything is added again the rest is zeroed, so a further reduction adds
       only new gradients to every slice, and this rank's slice keeps what it held.
@@ -153,6 +153,7 @@ class FullGrads(ShardBucket):
         group.grad_shard = self.flat[self._own[0]:self._own[1]]
         self.pool = None  # LaunchOrder hands out a staging pool; a persistent buffer needs none
         self.ready = [False] * len(lay.params)
+        self.pending: list[tuple[int, torch.Tensor]] = []  # fresh: (index, gradient) to copy in at launch
         self._fresh, self._landed = True, False
         self._work = None
 
@@ -168,15 +169,18 @@ class FullGrads(ShardBucket):
         """Add ``grad / divisor`` into parameter ``i``'s view (the sum over ranks is the mean)."""
         claim(self.ready, i)
         self._begin()
-        view, divisor = self._views[i], self.group.divisor
         if self._fresh:
-            divide_into(view, grad, divisor)
-        else:
-            view.add_(grad.to(view.dtype) / divisor)
+            self.pending.append((i, grad))
+        else:  # a second synchronising backward before zero_grad: rare, added one by one
+            view = self._views[i]
+            view.add_(grad.to(view.dtype) / self.group.divisor)
 
     def launch(self, comm: Comm) -> None:
         self._begin()
         if self._fresh:
+            divide_all_into([self._views[i] for i, _ in self.pending], [g for _, g in self.pending],
+                            self.group.divisor)
+            self.pending.clear()
             for view, ready in zip(self._views, self.ready):
                 if not ready:
                     view.zero_()  # a parameter that got no gradient contributes zero

@@ -13,7 +13,7 @@ import torch
 import minipar
 from minipar import MixedPrecision, ShardedModule
 from minipar.models import GPT, GPTConfig, gpt_loss
-from minipar.syncs import count_host_syncs, read_on_host, to_device
+from minipar.syncs import by_span, count_host_syncs, read_on_host, to_device
 
 from kernel_testing import interpreted, run_interpreted
 
@@ -63,6 +63,32 @@ def test_read_on_host_refuses_a_device_tensor_and_to_device_moves_every_tensor()
     batch = {"ids": torch.ones(2, 3, dtype=torch.long), "mask": [torch.zeros(2)], "n": 3}
     moved = to_device(batch, torch.device("meta"))
     assert moved["ids"].device.type == "meta" and moved["mask"][0].device.type == "meta" and moved["n"] == 3
+
+
+def test_views_of_one_batch_travel_as_one_contiguous_copy():
+    """What ``to_device`` does for a GPU (`by_span`, with a recording ``copy`` standing for the pinned
+    transfer): the inputs and shifted targets of one batch, not contiguous, are one copy of the batch's
+    span, rebuilt as equal views of it; a small slice of a large tensor is copied alone; every tensor
+    handed to ``copy`` is contiguous (a non-contiguous host tensor is staged in pageable memory, which
+    waits for the device); other leaves pass through."""
+    copies = []
+
+    def copy(t):
+        assert t.is_contiguous()
+        copies.append(t.numel())
+        return t.clone()
+
+    batch = torch.arange(2 * 9).view(2, 9)
+    big = torch.arange(10_000)
+    inputs, targets, small, sparse, scalar, other = by_span(
+        [batch[:, :-1], batch[:, 1:], big[100:104:2], big[::1000], 3, torch.ones(5)], copy)
+    assert torch.equal(inputs, batch[:, :-1]) and torch.equal(targets, batch[:, 1:])
+    assert inputs.untyped_storage().data_ptr() == targets.untyped_storage().data_ptr() != batch.data_ptr()
+    assert torch.equal(small, big[100:104:2]) and torch.equal(sparse, big[::1000])
+    assert scalar == 3 and torch.equal(other, torch.ones(5))
+    # the batch once (18); big's two slices span 9,901 elements for 12: each alone, made contiguous (2 and
+    # 10); the other tensor (5)
+    assert sorted(copies) == [2, 5, 10, 18], copies
 
 
 CFG = dict(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16)
