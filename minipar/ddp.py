@@ -8,10 +8,10 @@ How a step goes:
    per bucket. Each parameter's ``.grad`` becomes a view into its bucket, so
    the all-reduce needs no copy in or out.
 2. Backward: a post-accumulate-grad hook on each parameter moves the fresh
-   gradient into its bucket slot (a copy only when ``.grad`` was set to None;
-   afterwards autograd accumulates into the view in place) and counts the
-   bucket down. A full bucket is divided by dp and all-reduced asynchronously
-   while backward goes on. Buckets are launched strictly in bucket order, so
+   gradient into its bucket slot (a copy only when ``.grad`` was set to None,
+   made for the whole bucket at once when it launches; afterwards autograd
+   accumulates into the view in place) and counts the bucket down. A full
+   bucket is divided by dp and all-reduced asynchronously while backward goes on. Buckets are launched strictly in bucket order, so
    every rank issues the same collectives in the same order even when ranks
    finish buckets in a different order.
 3. End of backward (an autograd callback): buckets not yet launched -- they
@@ -65,7 +65,9 @@ class Bucket:
     """A flat gradient buffer all-reduced as one; ``views[i]`` is ``params[i].grad``'s home.
 
     A bucket of `minipar.grad_buckets`: the buffer persists and the gradients stay in it, so
-    autograd accumulates into the views in place and the all-reduce needs no copy."""
+    autograd accumulates into the views in place and the all-reduce needs no copy. A gradient that
+    arrives in a tensor of its own (the first backward after ``zero_grad`` set ``.grad`` to None)
+    waits in ``pending`` and is moved in at launch with the bucket's others, in one multi-tensor copy."""
 
     index: int
     first_slot: int  # params[i] is slot first_slot + i of the per-parameter "used" map
@@ -75,6 +77,7 @@ class Bucket:
     divisor: int  # the gradient is averaged over this many data-parallel ranks
     views: list[torch.Tensor] = field(default_factory=list)
     ready: list[bool] = field(default_factory=list)
+    pending: list[int] = field(default_factory=list)  # ready, .grad not in its view yet
     work: object = None
     pool: object = None  # LaunchOrder hands out a staging pool; a persistent buffer needs none
 
@@ -84,15 +87,19 @@ class Bucket:
 
     def take(self, i: int) -> None:
         claim(self.ready, i)
-        absorb(self.params[i], self.views[i])
+        if not in_view(self.params[i], self.views[i]):
+            self.pending.append(i)
 
     def launch(self, comm: Comm) -> None:
         for i, p in enumerate(self.params):
             if not self.ready[i] and p.grad is None:
                 self.views[i].zero_()  # unused here this step: contribute zero, leave .grad alone for now
-            elif not self.ready[i]:
-                absorb(p, self.views[i])  # accumulated under no_sync, or assigned by the user
-        self.flat.div_(self.divisor)  # sum of grad / dp = mean over data-parallel ranks
+            elif not self.ready[i] and not in_view(p, self.views[i]):
+                self.pending.append(i)  # accumulated under no_sync, or assigned by the user
+        absorb_all([self.params[i] for i in self.pending], [self.views[i] for i in self.pending])
+        self.pending.clear()
+        if self.divisor != 1:
+            self.flat.div_(self.divisor)  # sum of grad / dp = mean over data-parallel ranks
         self.work = comm.all_reduce(self.flat, self.group, async_op=True, tag="grad")
 
     def land(self) -> None:
@@ -100,12 +107,24 @@ class Bucket:
         self.work, self.ready = None, [False] * len(self.params)
 
 
+def in_view(p: nn.Parameter, view: torch.Tensor) -> bool:
+    """Whether ``p.grad`` already is its bucket view (autograd accumulated into it in place)."""
+    return p.grad is view or p.grad.data_ptr() == view.data_ptr()
+
+
 def absorb(p: nn.Parameter, view: torch.Tensor) -> None:
     """Make ``p.grad`` the bucket view, moving a freshly allocated gradient into it."""
-    g = p.grad
-    if g is not view and g.data_ptr() != view.data_ptr():
-        view.copy_(g)
+    if not in_view(p, view):
+        view.copy_(p.grad)
         p.grad = view
+
+
+def absorb_all(params: list[nn.Parameter], views: list[torch.Tensor]) -> None:
+    """Make each ``p.grad`` its bucket view, moving the gradients into the views in one multi-tensor copy."""
+    if params:
+        torch._foreach_copy_(views, [p.grad for p in params])
+        for p, view in zip(params, views):
+            p.grad = view
 
 
 class DataParallel(BucketHooks, Strategy):

@@ -35,6 +35,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 _READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__bool__, torch.Tensor.__int__,
@@ -179,5 +180,42 @@ def count_host_syncs(host_tensors: Iterable[torch.Tensor] = (), device_only: boo
     GPU, count only calls on tensors that are not on the CPU (on a CPU test, every tensor stands
     for a device one: leave it off)."""
     mode = HostSyncs(host_tensors, device_only)
+    with mode:
+        yield mode
+
+
+# Operators that only make a new view or read metadata: no kernel runs for them on a GPU.
+_NO_KERNEL = {"view", "t", "detach", "slice", "transpose", "unsqueeze", "squeeze", "_unsafe_view", "expand",
+              "as_strided", "alias", "permute", "reshape", "select", "unbind", "split", "split_with_sizes", "chunk",
+              "_reshape_alias", "lift_fresh", "empty", "empty_like", "empty_strided", "new_empty",
+              "new_empty_strided", "set_", "view_as", "unflatten", "flatten", "narrow", "diagonal",
+              "_local_scalar_dense", "is_pinned", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset"}
+
+
+class Launches(TorchDispatchMode):
+    """The counting mode of `count_launches`: ``ops[name]`` is how often the operator ran."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name not in _NO_KERNEL:
+            self.ops[name] += 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def total(self) -> int:
+        return sum(self.ops.values())
+
+
+@contextlib.contextmanager
+def count_launches() -> Iterator[Launches]:
+    """Count, inside the block, the tensor operations that would each launch work on a GPU (every
+    ATen operator below autograd that is not a view or a metadata read): the host's work per step,
+    measured on any machine. Triton kernels called through ``minipar.kernels`` count as their custom
+    operator, one each."""
+    mode = Launches()
     with mode:
         yield mode
