@@ -4,7 +4,8 @@ Token and position embeddings, pre-norm blocks (causal self-attention through
 ``scaled_dot_product_attention``, GELU MLP), a final LayerNorm and an LM head
 that can share the token embedding's weight. Attention has separate q/k/v/o
 projections and reshapes with ``-1`` heads, so tensor parallelism can split the
-projections without touching this file. ``norm="rmsnorm"``, ``mlp="swiglu"`` and
+projections without touching this file; ``fused_qkv=True`` makes q, k and v one
+projection (one matmul on one device; refused by the tensor-parallel plan). ``norm="rmsnorm"``, ``mlp="swiglu"`` and
 ``pos="rope"`` give the Llama-style variants (RMSNorm; a gated SiLU MLP with
 separate gate and up projections; rotary position embeddings on queries and
 keys instead of a learned position table).
@@ -44,6 +45,7 @@ class GPTConfig:
     mlp: str = "gelu"          # or "swiglu": proj(silu(gate(x)) * fc(x))
     pos: str = "learned"       # or "rope": rotary embeddings in attention, no wpe table
     rope_base: float = 10000.0
+    fused_qkv: bool = False    # one (3 n_embd, n_embd) projection for q, k and v: one matmul, one read of x
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -116,9 +118,12 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.head_dim = cfg.n_embd // cfg.n_head
         self.rotary = Rotary(self.head_dim, cfg.rope_base) if cfg.pos == "rope" else None
-        self.q_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
-        self.k_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
-        self.v_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        if cfg.fused_qkv:  # rows [0, D) make q, [D, 2D) k, [2D, 3D) v
+            self.qkv_proj = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        else:
+            self.q_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+            self.k_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+            self.v_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.o_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.dropout = cfg.dropout
         # Context parallelism (`minipar.context_parallel`) sets this: q, k, v (batch, heads, local
@@ -127,7 +132,10 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (batch, seq, n_embd) -> (batch, seq, n_embd)."""
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if hasattr(self, "qkv_proj"):  # one matmul; its backward writes dx once instead of summing three
+            q, k, v = self.qkv_proj(x).chunk(3, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         # Shapes come from the projections, not from x: under sequence parallelism x holds a slice of
         # the sequence and the projections the whole of it; under tensor parallelism each rank holds
         # n_head / tp heads, hence -1.
@@ -201,6 +209,9 @@ class GPT(nn.Module):
         from minipar.tensor_parallel import SequenceShard  # the model itself knows nothing of parallelism
 
         cfg = self.config
+        if cfg.fused_qkv:
+            raise ValueError("GPTConfig(fused_qkv=True) holds q, k and v in one weight, which a column split would "
+                             "cut across the three: under tensor parallelism build the GPT with fused_qkv=False")
         for what, n in (("n_head", cfg.n_head), ("vocab_size", cfg.vocab_size), ("n_embd", cfg.n_embd)):
             if n % tp:
                 raise ValueError(f"GPT {what}={n} is not divisible by tp={tp}: tensor parallelism splits it; "

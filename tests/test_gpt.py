@@ -128,3 +128,29 @@ def test_attention_asks_sdpa_for_its_flash_form():
     args, kwargs, strides = seen[0]
     assert not args and kwargs.get("attn_mask") is None and kwargs["is_causal"] is True
     assert kwargs.get("dropout_p", 0.0) == 0.0 and strides == [1, 1, 1]
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_fused_qkv_is_the_three_projections_in_one(bias):
+    """GPTConfig(fused_qkv=True) with the q, k, v weights stacked (rows q, then k, then v) computes the
+    separate projections' model: the same logits, and its qkv gradient is theirs stacked. The tensor-
+    parallel plan refuses it (a column split would cut across q, k and v)."""
+    cfg = dict(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32, bias=bias)
+    apart, fused = GPT(GPTConfig(**cfg)), GPT(GPTConfig(**cfg, fused_qkv=True))
+    names = ("q_proj", "k_proj", "v_proj")
+    with torch.no_grad():
+        for a, f in zip(apart.layers, fused.layers):
+            f.attn.qkv_proj.weight.copy_(torch.cat([getattr(a.attn, n).weight for n in names]))
+            if bias:
+                f.attn.qkv_proj.bias.copy_(torch.cat([getattr(a.attn, n).bias for n in names]))
+        fused.load_state_dict({k: v for k, v in apart.state_dict().items() if "_proj" not in k or "o_proj" in k},
+                              strict=False)
+    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    for m in (apart, fused):
+        gpt_loss(m(x[:, :-1]), x[:, 1:]).backward()
+    torch.testing.assert_close(fused(x), apart(x))
+    for a, f in zip(apart.layers, fused.layers):
+        torch.testing.assert_close(f.attn.qkv_proj.weight.grad, torch.cat([getattr(a.attn, n).weight.grad for n in names]))
+        torch.testing.assert_close(f.attn.o_proj.weight.grad, a.attn.o_proj.weight.grad)
+    with pytest.raises(ValueError, match="fused_qkv"):
+        fused.tp_plan(2)
