@@ -13,13 +13,15 @@ lowered: one flag can gather every bucket of a step, and a flag set by an
 earlier bucket stays set. Nothing synchronises with the host (no ``.item()``);
 the caller reads the flag once, after its all-reduce.
 
-The Triton kernel reads src once and writes dst once. Each program checks its
-block, and only a program that found an inf or nan touches the flag, with an
-atomic max of 1.0. On a clean tensor, the common case, that is no atomic at
-all, so the flag costs nothing; on an overflowing step a few programs race
-to write the same 1.0, which the max makes well defined. Per-block flags
-reduced afterwards would need a scratch buffer and a second launch on every
-step to save atomics that almost never happen.
+The Triton kernel reads src once and writes dst once. Each thread checks its
+own elements (``scale_cast_triton`` has how), and only a thread that found an
+inf or nan touches the flag, with an atomic max of 1.0. On a clean tensor,
+the common case, that is no atomic at all, so the flag costs nothing; on an
+overflowing step a few threads race to write the same 1.0, which the max
+makes well defined. Per-block flags reduced afterwards would need a scratch
+buffer and a second launch on every step to save atomics that almost never
+happen. The launcher is a mutating ``torch.library`` custom op
+(``minipar::scale_cast``), so a compiled optimizer step keeps the kernel.
 
 src and dst must be contiguous (any flat slice of a bucket is), and dst must
 be src itself or not overlap it.
@@ -43,11 +45,34 @@ def scale_cast_(src: torch.Tensor, dst: torch.Tensor, scale: float, found_inf: t
         bad = flat_dst.isfinite().logical_not().any()
         torch.maximum(found_inf, bad.to(found_inf.dtype), out=found_inf)
         return
-    n = src.numel()
+    _scale_cast(None if _same_memory(src, dst) else src, dst, float(scale), found_inf)
+
+
+@torch.library.custom_op("minipar::scale_cast", mutates_args=("dst", "found_inf"))
+def _scale_cast(src: torch.Tensor | None, dst: torch.Tensor, scale: float, found_inf: torch.Tensor) -> None:
+    """The Triton launcher, as a mutating custom op; src None: in place (dst is read; an op's inputs
+    must not alias what it mutates)."""
+    n = dst.numel()
     if n == 0:
         return
     tk = triton_module("scale_cast_triton")
-    launch(tk.scale_cast_kernel, (-(-n // tk.BLOCK),), src, dst, found_inf, n, float(scale), BLOCK=tk.BLOCK)
+    config = tk.config(n, dst.element_size())
+    # found_inf viewed as int32: the kernel raises it with an integer atomic max of 1.0's bits
+    launch(tk.scale_cast_kernel, (-(-n // config["BLOCK"]),), dst if src is None else src, dst,
+           found_inf.view(torch.int32), n, scale, **config)
+
+
+@_scale_cast.register_fake
+def _(src, dst, scale, found_inf):
+    return None
+
+
+def _same_memory(src: torch.Tensor, dst: torch.Tensor) -> bool:
+    """Whether dst is src itself (the in-place case): the same object, or in eager the same memory read
+    in the same dtype (a traced tensor has no address; under torch.compile the caller passes src as dst)."""
+    if src is dst:
+        return True
+    return not torch.compiler.is_compiling() and src.dtype == dst.dtype and src.data_ptr() == dst.data_ptr()
 
 
 def _check(src: torch.Tensor, dst: torch.Tensor, found_inf: torch.Tensor) -> None:

@@ -15,8 +15,11 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+from unittest import mock
+
 from minipar import kernels
 from minipar.kernels.scale_cast import scale_cast_
+from minipar.syncs import count_host_syncs
 
 from kernel_testing import interpreted, launched, pytorch_path, run_interpreted
 
@@ -24,8 +27,9 @@ F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 # name: (src dtype, dst dtype, in place)
 CASTS = {"fp32->bf16": (F32, BF16, False), "bf16->fp32": (BF16, F32, False), "fp32->fp32 in place": (F32, F32, True),
          "fp32->fp16": (F32, F16, False), "bf16->bf16 in place": (BF16, BF16, True)}
-# Element counts: anything up to 5000, and the block edges (4096 per program) with 1-element tails.
-SIZES = st.one_of(st.integers(0, 5000), st.sampled_from([0, 1, 4095, 4096, 4097]))
+# Element counts: anything up to 9000, and the block edges (2048 per program below 4096 elements, 4096
+# from there) with 1-element tails.
+SIZES = st.one_of(st.integers(0, 9000), st.sampled_from([0, 1, 2047, 2049, 4095, 4096, 4097, 8193]))
 # Loss-scale inverses, and 1/3 and 1e-3, which fp32 cannot hold: the scale is rounded to fp32 on both paths.
 SCALES = st.sampled_from([1.0, 0.5, 2.0**-16, 1 / 3, 1e-3, 1 / 65536 * 3])
 
@@ -133,7 +137,92 @@ def test_scale_cast_triton_each_injection(injection):
     check_overflow(2 * 4096 + 5, injection, 1.0, False, seed=2, triton=True)
 
 
+def _below(x: float) -> float:
+    """The largest fp32 below the fp32 value x."""
+    return torch.nextafter(torch.tensor(x), torch.tensor(0.0)).item()
+
+
+# fp32 values a cast sends to inf (the overflow threshold, halfway past the largest finite value, a tie that
+# rounds to the even neighbour, inf) and the largest ones it keeps finite, per cast.
+THRESHOLDS = {"fp32->fp16": 65520.0, "fp32->bf16": (2 - 2**-8) * 2.0**127}
+
+
+def check_threshold(cast: str, sign: float, triton: bool) -> None:
+    """Just below the threshold the stored value is finite and the flag stays down; at it, inf and raised."""
+    for value, overflows in ((_below(THRESHOLDS[cast]), False), (THRESHOLDS[cast], True)):
+        src, dst, _ = bucket(3000, cast, seed=4)
+        src[1234] = sign * value
+        want = (src.float() * 1.0).to(dst.dtype)
+        assert torch.isinf(want[1234]) == overflows
+        found_inf = torch.zeros(1)
+        with path(3000, triton):
+            scale_cast_(src, dst, 1.0, found_inf)
+        assert torch.equal(dst, want)
+        assert found_inf.item() == float(overflows), (cast, sign, value)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # numpy, on the overflow tested
+@interpreted
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+@pytest.mark.parametrize("cast", sorted(THRESHOLDS))
+def test_scale_cast_triton_overflow_threshold(cast, sign):
+    check_threshold(cast, sign, triton=True)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # numpy, on the overflow tested
+@interpreted
+def test_scale_cast_int64_offsets():
+    """The int64-offset variant (a bucket near 2**31 elements gets it), forced with blocks of 256: the same
+    result and flag."""
+    tk = kernels.dispatch.triton_module("scale_cast_triton")
+    real = tk.config
+    with mock.patch.object(tk, "config", lambda n, size: {**real(n, size), "BLOCK": 256, "INT64": True,
+                                                          "num_warps": 2}):
+        check_scale_cast(1000, "fp32->bf16", 1 / 3, False, seed=6, triton=True)
+        check_overflow(1000, "fp16 cast overflows", 0.9, False, seed=6, triton=True)
+
+
+@interpreted
+def test_scale_cast_in_torch_compile():
+    """The kernel is a mutating custom op: called inside a compiled function (fullgraph, aot_eager), in
+    place and out of place, it writes dst and raises the flag as eager does."""
+    def step(src, dst, flag):
+        scale_cast_(src, dst, 0.5, flag)
+        scale_cast_(src, src, 2.0, flag)  # in place
+        return flag * 1
+
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    for poison in (False, True):
+        src = torch.randn(3000, generator=torch.Generator().manual_seed(8))
+        if poison:
+            src[17] = float("inf")
+        got = (src.clone(), torch.empty(3000, dtype=torch.bfloat16), torch.zeros(1))
+        want = (src.clone(), torch.empty(3000, dtype=torch.bfloat16), torch.zeros(1))
+        with launched("scale_cast_kernel"):
+            got_flag = compiled(*got)
+        step(*want)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+        assert got_flag.item() == float(poison)
+
+
+@interpreted
+def test_scale_cast_makes_no_host_sync():
+    """The launcher, in place and out of place: nothing would make the host wait for a GPU."""
+    src, dst, flag = torch.randn(5000), torch.empty(5000, dtype=torch.float16), torch.zeros(1)
+    with count_host_syncs() as syncs, launched("scale_cast_kernel"):
+        scale_cast_(src, dst, 0.25, flag)
+        scale_cast_(src, src, 0.25, flag)
+    assert not syncs.calls, syncs.report()
+
+
 # ----------------------------------------------------------------------------- the PyTorch path
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+@pytest.mark.parametrize("cast", sorted(THRESHOLDS))
+def test_scale_cast_pytorch_overflow_threshold(cast, sign):
+    check_threshold(cast, sign, triton=False)
+
 
 @settings(max_examples=8)
 @given(n=SIZES, cast=st.sampled_from(sorted(CASTS)), scale=SCALES, flag_set=st.booleans(), seed=st.integers(0, 99))
