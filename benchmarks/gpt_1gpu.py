@@ -1,7 +1,7 @@
 """The GPT on one GPU: minipar's training step beside PyTorch's own recipe, in tokens/s and MFU.
 
     python benchmarks/gpt_1gpu.py [--model gpt2-medium] [--batch 16] [--seq 1024] [--steps 20]
-        [--modes minipar,torch,compile] [--json results/gpt_1gpu.json]
+        [--modes minipar,torch,compile] [--json results/gpt_1gpu.json] [--profile results/profile]
 
 Every mode trains the same GPT (``minipar.models.GPT``, the same initial weights, the same
 batches) in bf16 for ``--warmup`` untimed and ``--steps`` timed steps:
@@ -22,6 +22,11 @@ the point is how far the host can stay ahead). Reported per mode: step time, tok
 main job), peak memory, the first and last loss, and the host syncs of one step seen two ways:
 ``minipar.syncs`` (the calls that would wait) and ``torch.cuda.set_sync_debug_mode`` (the ones
 that did). Goal on an H100: MFU >= 0.50 for minipar, at least PyTorch eager's tokens/s.
+
+``--profile DIR`` answers why instead of how fast: for each mode, after the warm-up, three steps under
+``torch.profiler`` (``benchmarks/step_profile.py``): the GPU's busy share, kernels launched per step, the
+host's time per step and the top kernels by GPU time, with the traces in DIR (``trace_<mode>.json.gz``,
+for Perfetto). No timing rows then.
 
 Without CUDA it says so and runs ``--smoke``: a tiny model on the CPU for a few steps (minipar and
 torch modes), which checks the script, not speed.
@@ -48,6 +53,7 @@ from minipar.models.data import markov_batch
 from minipar.syncs import count_host_syncs
 
 from gpt_tp_pp import matmul_params, peak_flops
+from step_profile import profile_steps, table
 
 PRESETS = {
     "tiny": dict(n_layer=1, n_embd=16, n_head=2, vocab=64, seq=16),
@@ -69,6 +75,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--peak-tflops", type=float, default=None, help="one GPU's peak bf16 TFLOP/s, for the MFU")
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU: checks the script only")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--profile", default=None, metavar="DIR", help="profile 3 steps per mode instead of timing")
     args = ap.parse_args(argv)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = [m for m in args.modes if m not in MODES]
@@ -223,6 +230,22 @@ def run_mode(mode: str, args, cfg: GPTConfig, mesh, device: torch.device, flops_
     return row
 
 
+def profile_mode(mode: str, args, cfg: GPTConfig, mesh, device: torch.device) -> dict:
+    """``--profile``: warm up, then three steps of ``mode`` under the profiler (``step_profile``)."""
+    torch.manual_seed(0)
+    runner = Runner(mode, cfg, mesh, args.lr, device)
+    batches = [markov_batch(s, 0, args.batch, args.seq, cfg.vocab_size) for s in range(args.warmup + 3)]
+    if device.type == "cuda":
+        batches = [x.pin_memory() for x in batches]
+    for x in batches[:args.warmup]:
+        runner.step(x)
+    summary = profile_steps(runner.step, batches[args.warmup:], os.path.join(args.profile, f"trace_{mode}.json.gz"))
+    del runner
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return summary
+
+
 def write_json(path: str | None, result: dict) -> None:
     if path:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -254,6 +277,17 @@ def main(argv=None) -> int:
     result = {"device": name, "torch": torch.__version__, "model": args.model, "parameters": n_params,
               "batch": args.batch, "seq": args.seq, "flops_per_token": flops_per_token, "peak": peak_note,
               "flash_attention": flash, "rows": []}
+    if args.profile:
+        profiles = result["profiles"] = {}
+        for mode in args.modes:
+            try:
+                profiles[mode] = profile_mode(mode, args, cfg, mesh, device)
+            except Exception as e:  # noqa: BLE001 -- one mode failing must not hide the others' profiles
+                profiles[mode] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+            write_json(args.json, result)
+        print(table(profiles))
+        minipar.shutdown()
+        return 1 if any("error" in p for p in profiles.values()) else 0
     rows = result["rows"]
     for mode in args.modes:
         try:

@@ -10,8 +10,10 @@ or hangs is recorded and the rest still run; the limits of one part add up to at
                against PyTorch on the same device); (b) ``benchmarks/kernels.py``: time, GB/s and
                fraction of the measured copy bandwidth, against eager and ``torch.compile``.
   train    (c) ``benchmarks/gpt_1gpu.py``: the GPT (350M) on one GPU in bf16 with minipar's kernels
-               beside PyTorch's recipe: tokens/s, MFU, memory, host syncs per step; (e) the main job
-               on a world of one in bf16 with its reference check.
+               beside PyTorch's recipe: tokens/s, MFU, memory, host syncs per step; (c') why: three
+               steps of minipar and of the eager recipe under ``torch.profiler`` (``--profile``: GPU
+               busy share, kernels per step, host time, top kernels; the traces kept in OUT/profile);
+               (e) the main job on a world of one in bf16 with its reference check.
   tests    (d) the strategies, each checked against the single-process run by the main job's
                reference check: ddp, zero1, zero2, zero3 on a world of one over NCCL (fp32 and
                bf16), and tp=2, pp=2, cp=2 and each strategy on a world of two as two gloo
@@ -93,11 +95,15 @@ def gpu_steps(out: pathlib.Path) -> list[Step]:
              env={"MINIPAR_TEST_DEVICE": "cuda", "HYPOTHESIS_PROFILE": "ci"}, junit=str(out / "kernel_tests.xml")),
         Step("GPT 350M on one GPU: minipar beside PyTorch", "train",
              [sys.executable, str(BENCH / "gpt_1gpu.py"), "--model", "gpt2-medium", "--modes",
-              "minipar,torch,compile,minipar_compile", "--json", str(out / "gpt_1gpu.json")], 420, 240,
+              "minipar,torch,compile,minipar_compile", "--json", str(out / "gpt_1gpu.json")], 330, 240,
              json_out=str(out / "gpt_1gpu.json")),
+        Step("profile: 3 steps of minipar and of the eager recipe", "train",
+             [sys.executable, str(BENCH / "gpt_1gpu.py"), "--model", "gpt2-medium", "--modes", "minipar,torch",
+              "--warmup", "3", "--profile", str(out / "profile"), "--json", str(out / "gpt_1gpu_profile.json")],
+             120, 60, json_out=str(out / "gpt_1gpu_profile.json")),
         Step("main job, world 1, bf16, reference check", "train",
              main_job(1, out, "main_world1_bf16", "--tp", "1", "--pp", "1", "--model", "small", "--dtype", "bf16",
-                      "--steps", "20", "--batch", "16"), 180, 40, json_out=str(out / "main_world1_bf16" / "gpt_tp_pp.json")),
+                      "--steps", "20", "--batch", "16"), 150, 40, json_out=str(out / "main_world1_bf16" / "gpt_tp_pp.json")),
         Step("kernel table (time, GB/s, vs eager and torch.compile)", "kernels",
              [sys.executable, str(BENCH / "kernels.py"), "--json", str(out / "kernels.json")], 240, 90,
              json_out=str(out / "kernels.json")),
@@ -137,6 +143,10 @@ def cpu_steps(out: pathlib.Path) -> list[Step]:
         Step("GPT on one device (smoke, kernels interpreted)", "train",
              [sys.executable, str(BENCH / "gpt_1gpu.py"), "--smoke", "--json", str(out / "gpt_1gpu.json")], 180, 20,
              env={"TRITON_INTERPRET": "1"}, json_out=str(out / "gpt_1gpu.json")),
+        Step("profile (smoke, kernels interpreted)", "train",
+             [sys.executable, str(BENCH / "gpt_1gpu.py"), "--smoke", "--profile", str(out / "profile"), "--json",
+              str(out / "gpt_1gpu_profile.json")], 180, 20, env={"TRITON_INTERPRET": "1"},
+             json_out=str(out / "gpt_1gpu_profile.json")),
         Step("main job, world 1, reference check", "train",
              main_job(1, out, "main_world1", "--tp", "1", "--pp", "1", *tiny), 180, 10,
              json_out=str(out / "main_world1" / "gpt_tp_pp.json")),
@@ -218,6 +228,13 @@ def summary(row: dict) -> str:
         t = row["tests"]
         return t.get("error") or f"{t['passed']} passed, {t['failed']} failed, {t['skipped']} skipped"
     fig = row.get("figures") or {}
+    if "profiles" in fig:  # gpt_1gpu --profile
+        return "; ".join(f"{mode} " + (f"failed ({p['error']})" if "error" in p else
+                         (f"GPU busy {p['gpu_busy']:.0%}, {p['kernels_per_step']:.0f} kernels/step"
+                          if p["gpu_busy"] is not None else f"{p['ops_per_step']:.0f} ops/step (CPU)")
+                         + f", host {p['host_ms_per_step']:.1f} ms/step"
+                         + (f", top: {p['top_kernels'][0]['name'][:40]}" if p["top_kernels"] else ""))
+                         for mode, p in fig["profiles"].items())
     if "rows" in fig:  # gpt_1gpu
         return "; ".join(f"{r['mode']} " + (f"failed ({r['error']})" if "error" in r else
                          f"{r['tokens_per_s']:,.0f} tok/s" + (f", MFU {r['mfu']:.1%}" if r.get("mfu") else "")

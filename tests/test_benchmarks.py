@@ -19,6 +19,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from minipar.formulas import ring_bytes
@@ -288,6 +289,11 @@ def test_gpu_report_without_a_gpu_says_so_and_its_smoke_path_runs_every_kind_of_
     modes = {r["mode"]: r for r in gpt["rows"]}
     assert set(modes) == {"minipar", "torch"} and modes["minipar"]["would_wait"] == 0
     assert abs(modes["minipar"]["first_loss"] - modes["torch"]["first_loss"]) < 0.05  # same model, bf16 both
+    profiles = next(s for s in steps["train"] if "profiles" in s.get("figures", {}))["figures"]["profiles"]
+    assert set(profiles) == {"minipar", "torch"}, profiles
+    for mode, p in profiles.items():  # on a CPU: no kernel events, the ATen operators instead
+        assert p["gpu_busy"] is None and p["ops_per_step"] > 0 and p["top_kernels"], (mode, p)
+        assert (tmp_path / "profile" / p["trace"]).exists(), p["trace"]
     for s in steps["train"] + steps["tests"]:
         if "reference_max_diff" in s.get("figures", {}):
             assert s["figures"]["reference_max_diff"] <= 1e-4, s["name"]
@@ -312,3 +318,25 @@ def test_gpu_report_plan_fits_the_device_limits():
     strategies = " ".join(s.name for s in steps if s.part == "tests")
     for what in ("ddp", "zero1", "zero2", "zero3", "world 1, NCCL", "world 2 sharing the GPU", "tp=2", "pp=2", "cp=2"):
         assert what in strategies, what
+
+
+def test_step_profile_summary_of_gpu_kernel_events():
+    """benchmarks/step_profile.py's summary of a GPU trace (synthetic events, as a CUDA trace has them):
+    the busy share is the union of the kernels' intervals over the steps' window (overlapping kernels on
+    two streams counted once), kernels per step and the top kernels per step."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from step_profile import STEP, summarise
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    events = [{"name": STEP, "ph": "X", "cat": "user_annotation", "ts": 0, "dur": 40},
+              {"name": STEP, "ph": "X", "cat": "user_annotation", "ts": 50, "dur": 30},
+              {"name": "gemm", "ph": "X", "cat": "kernel", "ts": 10, "dur": 30},   # 10..40
+              {"name": "norm", "ph": "X", "cat": "kernel", "ts": 30, "dur": 20},   # 30..50: overlaps the gemm
+              {"name": "gemm", "ph": "X", "cat": "kernel", "ts": 70, "dur": 30},   # 70..100
+              {"name": "aten::mm", "ph": "X", "cat": "cpu_op", "ts": 1, "dur": 5}]
+    s = summarise(events, n_steps=2)
+    assert s["gpu_busy"] == pytest.approx((50 - 10 + 30) / 100)  # window 0..100, covered 10..50 and 70..100
+    assert s["kernels_per_step"] == 1.5 and s["host_ms_per_step"] == pytest.approx(0.035)
+    assert [k["name"] for k in s["top_kernels"]] == ["gemm", "norm"]
+    assert s["top_kernels"][0]["ms_per_step"] == pytest.approx(0.03) and s["top_kernels"][0]["launches_per_step"] == 1
