@@ -19,12 +19,20 @@ maximize off) in its order, with its fp32 roundings: the scalars 1 - beta1^t,
 gamma / (1 - beta1^t) and sqrt(1 - beta2^t) in double on the host from the
 Python ``step`` (so nothing is read back from the device), then rounded to
 fp32 as torch rounds a Python scalar. The PyTorch path issues the very same
-torch calls and so equals ``torch.optim.Adam(W)(foreach=False)`` bitwise; the
-Triton kernel equals it to fp32 rounding (a GPU may fuse a multiply-add).
+torch calls and so equals ``torch.optim.Adam(W)(foreach=False)`` bitwise. The
+Triton kernel rounds every operation to fp32 as written (it is compiled
+without contraction into multiply-adds), so it computes bit for bit the same
+on a GPU, under the interpreter and whatever the grad's dtype; it equals the
+PyTorch path to fp32 rounding, as torch's own kernels contract and order
+differently (its CPU lerp fuses a multiply-add, its CUDA addcdiv divides before
+it scales).
 
 Per element the kernel reads theta, g, m, v and writes theta, m, v and the
 copy: 30 bytes with an fp32 gradient and a bf16 copy, against torch's ten-odd
 elementwise passes plus a separate copy that reads theta again.
+
+The launcher is a mutating ``torch.library`` custom op (``minipar::adamw_step``),
+so a compiled optimizer step keeps the kernel.
 
 ``fused_step`` runs a whole ``torch.optim.Adam``/``AdamW`` through this
 function and keeps the optimizer's state exactly in torch's format, so
@@ -67,18 +75,33 @@ def adamw_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
                           weight_decay=weight_decay, decay=decay, l2=l2, step_size=step_size,
                           bias_correction2_sqrt=bias_correction2_sqrt)
         return
+    _adamw_step(param, grad, exp_avg, exp_avg_sq, out, float(1 - lr * weight_decay) if decay else 1.0,
+                float(weight_decay), float(1 - beta1), float(beta2), float(1 - beta2), float(-step_size),
+                float(bias_correction2_sqrt), float(eps), l2)
+
+
+@torch.library.custom_op("minipar::adamw_step", mutates_args=("param", "exp_avg", "exp_avg_sq", "out"))
+def _adamw_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                out: torch.Tensor | None, decay: float, weight_decay: float, lerp_weight: float, beta2: float,
+                one_minus_beta2: float, neg_step_size: float, bias_correction2_sqrt: float, eps: float,
+                l2: bool) -> None:
+    """The Triton launcher, as a mutating custom op (the scalars as the kernel takes them)."""
     n = param.numel()
     if n == 0:
         return
     tk = triton_module("adamw_triton")
-    # float(): every scalar reaches the kernel as fp32. An int (Adam's default weight_decay=0) would be typed,
-    # and specialised on, as an integer, compiling another variant of the kernel.
-    launch(tk.adamw_step_kernel, (-(-n // tk.BLOCK),), param, grad, exp_avg, exp_avg_sq,
-           param if out is None else out, n,
-           float(1 - lr * weight_decay) if decay else 1.0, float(weight_decay), float(1 - beta1), float(beta2),
-           float(1 - beta2), float(-step_size), float(bias_correction2_sqrt), float(eps),
-           L2=l2, HAS_OUT=out is not None, BLOCK=tk.BLOCK,
-           enable_fp_fusion=True)  # as nvcc builds torch's kernels; explicit, as Triton 3.10 flips the default
+    config = tk.config(n)
+    # Every scalar a float: an int (Adam's default weight_decay=0) would be typed, and specialised on, as an
+    # integer, compiling another variant of the kernel.
+    launch(tk.adamw_step_kernel, (-(-n // config["BLOCK"]),), param, grad, exp_avg, exp_avg_sq,
+           param if out is None else out, n, decay, weight_decay, lerp_weight, beta2, one_minus_beta2,
+           neg_step_size, bias_correction2_sqrt, eps, L2=l2, HAS_OUT=out is not None, **config)
+
+
+@_adamw_step.register_fake
+def _(param, grad, exp_avg, exp_avg_sq, out, decay, weight_decay, lerp_weight, beta2, one_minus_beta2,
+      neg_step_size, bias_correction2_sqrt, eps, l2):
+    return None
 
 
 def supports(optimizer: torch.optim.Optimizer) -> bool:

@@ -2,8 +2,11 @@
 
 The PyTorch path issues torch's own single-tensor calls, so it must equal
 torch.optim bitwise. The Triton kernel (in this module's TRITON_INTERPRET=1
-child, see ``kernel_testing``) must equal it to fp32 rounding, and its
-low-precision copy must be exactly the updated fp32 param rounded to nearest.
+child, see ``kernel_testing``, or compiled on a GPU) must equal it to fp32
+rounding, and its low-precision copy must be exactly the updated fp32 param
+rounded to nearest. The kernel is compiled without multiply-add contraction,
+so its variants for different grad dtypes run the same fp32 operations: a
+bf16 grad must give bitwise what its fp32 upcast gives.
 Both must keep the optimizer's state interchangeable with torch's: the same
 state_dict, and plain ``optimizer.step()`` calls mixed in anywhere.
 """
@@ -20,12 +23,14 @@ from hypothesis import given, settings, strategies as st
 
 from minipar import kernels
 from minipar.kernels.adamw import adamw_step_, fused_step, supports
+from minipar.syncs import count_host_syncs
 
 from kernel_testing import interpreted, launched, pytorch_path, run_interpreted
 
 KERNEL = "adamw_step_kernel"
-# Sizes around the kernel's block of 1024 (one-element tails) and arbitrary ones, up to three blocks.
-sizes = st.one_of(st.integers(1, 3000), st.sampled_from([1, 1023, 1024, 1025, 2049]))
+# Sizes around the kernel's blocks (1024 elements below 2048, 2048 from there; one-element tails) and
+# arbitrary ones, up to three blocks.
+sizes = st.one_of(st.integers(1, 6200), st.sampled_from([1, 1023, 1025, 2047, 2048, 2049, 4097]))
 lrs = st.sampled_from([1e-3, 3e-4, 1e-2, 0.1])
 beta1s = st.sampled_from([0.9, 0.8, 0.5, 0.0])  # 0.5 and 0: torch's lerp from the gradient's end
 beta2s = st.sampled_from([0.999, 0.99, 0.95, 0.5])
@@ -161,9 +166,85 @@ def test_kernel_matches_torch_path(n, grad_dtype, out_dtype, decoupled, wd, step
         torch.testing.assert_close(got, ref, **CLOSE)
     if out is not None:
         assert torch.equal(out, p.to(out_dtype))
-    if grad_dtype != torch.float32:  # upcasting in the kernel is exact: the same as upcasting before it
-        for got, ref in zip((p, m1, v1), run(grad.float())):
+    if grad_dtype != torch.float32:
+        # Upcasting in the kernel is exact, and the kernel contracts no multiply-add in any variant
+        # (enable_fp_fusion off), so the bf16/fp16-grad variant runs the fp32 variant's operations on the
+        # same values: bitwise equal, on a GPU too (with contraction on, ptxas fused differently per variant).
+        with launched(KERNEL):
+            upcast = run(grad.float())
+        for got, ref in zip((p, m1, v1), upcast):
             assert torch.equal(got, ref)
+
+
+@interpreted
+def test_kernel_is_compiled_without_contraction():
+    """What the bitwise claims above rest on: the launch asks Triton for no fp contraction."""
+    with kernels.dispatch.recording() as recorded:
+        p = torch.zeros(3000)
+        adamw_step_(p, torch.zeros(3000, dtype=torch.bfloat16), p.clone(), p.clone(), step=1, lr=1e-3, beta1=0.9,
+                    beta2=0.99, eps=1e-8, weight_decay=0.1, out=torch.empty(3000, dtype=torch.bfloat16))
+    assert [r.kernel.__name__ for r in recorded] == [KERNEL]
+    assert recorded[0].kwargs["enable_fp_fusion"] is False
+
+
+@interpreted
+def test_int64_offsets():
+    """The int64-offset variant (a shard near 2**31 elements gets it), forced with blocks of 256: bitwise
+    what the int32 variant computes."""
+    tk = kernels.dispatch.triton_module("adamw_triton")
+    g = torch.Generator().manual_seed(9)
+    param, grad, m = (torch.randn(1000, generator=g) for _ in range(3))
+    v = torch.rand(1000, generator=g)
+
+    def run():
+        state, out = [param.clone(), m.clone(), v.clone()], torch.empty(1000, dtype=torch.bfloat16)
+        with launched(KERNEL):
+            adamw_step_(state[0], grad.bfloat16(), state[1], state[2], step=4, lr=1e-2, beta1=0.9, beta2=0.95,
+                        eps=1e-8, weight_decay=0.1, out=out)
+        return (*state, out)
+
+    want = run()
+    real = tk.config
+    with mock.patch.object(tk, "config", lambda n: {**real(n), "BLOCK": 256, "INT64": True, "num_warps": 2}):
+        got = run()
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+@interpreted
+def test_adamw_step_in_torch_compile():
+    """The kernel is a mutating custom op: called inside a compiled function (fullgraph, aot_eager), with and
+    without a copy, it updates param, state and copy exactly as eager does."""
+    def step(p, grad, m, v, out):
+        adamw_step_(p, grad, m, v, step=2, lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, out=out)
+        adamw_step_(p, grad, m, v, step=3, lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1)
+        return p * 1
+
+    g = torch.Generator().manual_seed(10)
+    tensors = [torch.randn(3000, generator=g), torch.randn(3000, generator=g).bfloat16(),
+               torch.randn(3000, generator=g), torch.rand(3000, generator=g), torch.empty(3000, dtype=torch.bfloat16)]
+    got, want = [t.clone() for t in tensors], [t.clone() for t in tensors]
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    with launched(KERNEL):
+        compiled(*got)
+    step(*want)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+@interpreted
+def test_adamw_step_makes_no_host_sync():
+    """adamw_step_ and fused_step (a non-fused optimizer: its step counts live on the host by design, and
+    after the first step fused_step does not even read them): nothing would make the host wait for a GPU."""
+    p = torch.nn.Parameter(torch.randn(3000))
+    opt = torch.optim.AdamW([p], lr=1e-3, foreach=False)
+    p.grad = torch.randn(3000)
+    fused_step(opt)  # creates the state
+    with count_host_syncs() as syncs, launched(KERNEL):
+        adamw_step_(p.detach(), torch.randn(3000).half(), torch.zeros(3000), torch.zeros(3000), step=1, lr=1e-3,
+                    beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0, out=torch.empty(3000, dtype=torch.bfloat16))
+        fused_step(opt, {id(p): torch.empty(3000, dtype=torch.bfloat16)})
+    assert not syncs.calls, syncs.report()
 
 
 def test_torch_path_upcasts_and_copies():
