@@ -44,13 +44,16 @@ def test_the_gpt_compiles_whole_and_trains_as_eager(form):
         torch.testing.assert_close(q, p, msg=lambda m: f"{name}: {m}")
 
 
-def test_compiled_blocks_inside_a_sharded_module_train_as_eager(world_of_one):
-    """ZeRO-1 in bf16 on a world of one (the single-GPU setting of benchmarks/gpt_1gpu.py): the same
-    losses and fp32 masters with the transformer blocks compiled."""
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "zero3"])
+def test_compiled_blocks_inside_a_sharded_module_train_as_eager(world_of_one, strategy):
+    """Every data-parallel strategy on a world of one, in bf16 where it has mixed precision (ZeRO-1 bf16
+    is the single-GPU setting of benchmarks/gpt_1gpu.py): the same losses and fp32 masters with the
+    transformer blocks compiled (ZeRO-3's units are the blocks: its gather and reshard hooks run around
+    the compiled code)."""
     results = []
+    options = {} if strategy == "ddp" else dict(mixed_precision=MixedPrecision(param_dtype=torch.bfloat16))
     for compile_blocks in (False, True):
-        model = ShardedModule(GPT(GPTConfig(**CFG)), mesh=minipar.Mesh(), strategy="zero1",
-                              mixed_precision=MixedPrecision(param_dtype=torch.bfloat16))
+        model = ShardedModule(GPT(GPTConfig(**CFG)), mesh=minipar.Mesh(), strategy=strategy, **options)
         if compile_blocks:
             for block in model.module.layers:
                 block.compile(backend="aot_eager")
