@@ -1,14 +1,34 @@
-"""Triton kernels for ``minipar.kernels.norm`` (imported at first use; see ``dispatch``).
+"""Triton kernels for ``minipar.kernels.norm`` and ``minipar.kernels.add_norm`` (imported at first use; see ``dispatch``).
 
 LayerNorm and RMSNorm share one body per direction: RMSNorm is LayerNorm with
-mu = 0 and no bias, selected by the constexpr ``IS_RMS``. The four named
-kernels are thin entry points, so a profile (and ``dispatch.launches``) tells
-the two norms apart.
+mu = 0 and no bias (constexpr ``IS_RMS``), and the residual add in front of
+either is the constexpr ``HAS_DELTA`` (forward) / ``HAS_DH`` (backward). The
+named ``*_kernel`` functions are thin entry points, so a profile (and
+``dispatch.launches``) tells the variants apart.
 
-Every loop walks a row in column blocks of ``BLOCK_D``; a row of up to
-``MAX_BLOCK_D`` columns is one block, so the loop runs once. Loads upcast to
-fp32 (bf16 arithmetic is wrong under the interpreter, and the sums want fp32
-anyway); low-precision stores go through ``round_to``.
+Tiles are 2-D, [ROWS, BLOCK_D]: a program normalises ROWS whole rows at once
+(several for narrow rows, so every program still moves a few KB). A row of up
+to ``MAX_BLOCK_D`` columns fits one block (``SINGLE``): it is loaded once into
+registers and its mean, variance and output all come from that copy, with the
+reductions of one pass fused into one multi-operand ``tl.reduce``. Wider rows
+loop over column blocks (three passes forward, two backward). `config` picks
+BLOCK_D, ROWS and the warps from the width alone.
+
+The backward is persistent: `backward_programs` programs (a small multiple of
+the SM count), each looping over row tiles pid, pid + G, ...; the next tile's
+loads are issued before the current tile's math, so a row's memory traffic
+overlaps the previous row's reductions. Each program keeps its share of dw
+and db in fp32 registers and writes it once, to its own row of a (G, D)
+partial buffer (wide rows: accumulated in that row in memory, which only this
+program touches); `norm_grad_sum_kernel` then sums the G partials per column
+in a fixed order and writes dw/db in the parameters' dtypes. No float
+atomics: the result is deterministic.
+
+Offsets are 32-bit unless a tensor has 2**31 elements or more (constexpr
+``LONG``, set by the launcher). Loads upcast to fp32 (bf16 arithmetic is
+wrong under the interpreter, and the sums want fp32 anyway); low-precision
+stores go through ``round_to``. Scalars are cast to fp32 on entry, so a caller
+that passes fp64 (Inductor) adds no fp64 arithmetic.
 """
 
 import triton
@@ -17,6 +37,8 @@ import triton.language as tl
 from .common_triton import round_to
 
 MAX_BLOCK_D = 8192  # the widest row held in one block; wider rows loop over column blocks
+TILE = 2048  # elements per program for narrow rows: ROWS = TILE // BLOCK_D rows (at most MAX_ROWS)
+MAX_ROWS = 64
 
 
 def block_for(d: int) -> int:
@@ -24,156 +46,399 @@ def block_for(d: int) -> int:
     return min(MAX_BLOCK_D, triton.next_power_of_2(d))
 
 
-def warps_for(block_d: int) -> int:
-    """Warps per program: at most 16 fp32 values per thread for each live block-sized array."""
-    return min(16, max(4, block_d // 256))
+def config(d: int, n_elements: int) -> dict:
+    """The launch shape for rows of ``d`` columns in a tensor of ``n_elements``: the kernels' constexprs
+    BLOCK_D, ROWS, SINGLE (the row fits one block), LONG (64-bit offsets) and ``num_warps``.
+
+    Warps follow the tile: 4 up to 2K elements, 8 at 4K, 16 from 8K, so a thread holds about 16
+    values of each tile-sized array (two 16-byte vectors of bf16) and several programs fit an SM.
+    """
+    block_d = block_for(d)
+    single = d <= block_d
+    rows = max(1, min(MAX_ROWS, TILE // block_d)) if single else 1
+    tile = rows * block_d
+    return dict(BLOCK_D=block_d, ROWS=rows, SINGLE=single, LONG=n_elements >= 2**31,
+                num_warps=4 if tile <= 2048 else 8 if tile <= 4096 else 16)
+
+
+def grad_sum_config(d: int, n_sm: int) -> dict:
+    """norm_grad_sum_kernel's tile, [BLOCK_P partials, BLOCK_C columns]: about one program per SM
+    (32 to 1024 columns each), 2048 elements a step."""
+    block_c = min(1024, max(32, triton.next_power_of_2(-(-d // n_sm))))
+    return dict(BLOCK_C=block_c, BLOCK_P=2048 // block_c, num_warps=4)
+
+
+BWD_WARPS_PER_SM = 16  # the backward's resident warps per SM: 64K registers / (16 x 32 threads) = 128 each
+BWD_MAX_REGS = 65536 // (BWD_WARPS_PER_SM * 32)  # ptxas's cap (``maxnreg``), so that they all fit
+
+
+def backward_config(d: int, n_elements: int, element_size: int) -> dict:
+    """`config` for the backward: warps by the tile's bytes (as bf16's by its elements), capped at 16,
+    registers capped at ``BWD_MAX_REGS``.
+
+    A backward thread holds its share of w, of the dw and db sums and of two tiles of x and dy (the
+    current one and the prefetched next) in their storage dtype: at 16 bf16 values per array that is
+    ~150 registers uncapped, 128 capped without spills, so two 8-warp programs fit an SM. fp32
+    tiles take twice the registers, hence twice the warps; at 8K fp32 columns (16 warps, the
+    most that fits at 128 registers) a few spill.
+    """
+    cfg = config(d, n_elements)
+    tile_bytes = cfg["ROWS"] * cfg["BLOCK_D"] * element_size
+    cfg["num_warps"] = 4 if tile_bytes <= 4096 else 8 if tile_bytes <= 8192 else 16
+    cfg["maxnreg"] = BWD_MAX_REGS
+    return cfg
+
+
+def programs_per_sm(num_warps: int) -> int:
+    """Resident backward programs per SM the persistent grid is sized for: ``BWD_WARPS_PER_SM`` warps."""
+    return max(1, BWD_WARPS_PER_SM // num_warps)
+
+
+# ----------------------------------------------------------------------------- shared pieces
+
+@triton.jit
+def _add2(a0, a1, b0, b1):
+    return a0 + b0, a1 + b1
+
+
+@triton.jit
+def _sum2(a, b, axis: tl.constexpr, INTERPRETED: tl.constexpr):
+    """(sum of a, sum of b) along ``axis``: compiled, one two-operand reduction, so the two share their
+    shuffles' rounds and one pass through shared memory. The interpreter runs a tuple reduction's
+    combine function in Python per element; there, two sums."""
+    if INTERPRETED:
+        return tl.sum(a, axis=axis), tl.sum(b, axis=axis)
+    return tl.reduce((a, b), axis, _add2)
+
+
+@triton.jit
+def _rows(first_row, n_rows, ROWS: tl.constexpr, LONG: tl.constexpr):
+    """Row indices first_row.. (ROWS,), int64 if LONG, and which of them exist."""
+    rows = first_row + tl.arange(0, ROWS)
+    row_mask = rows < n_rows
+    if LONG:
+        rows = rows.to(tl.int64)
+    return rows, row_mask
+
+
+@triton.jit
+def _tile(rows, row_mask, D, start, BLOCK_D: tl.constexpr):
+    """Offsets [ROWS, BLOCK_D] of columns start.. of ``rows``, and the tile's mask."""
+    cols = start + tl.arange(0, BLOCK_D)
+    return rows[:, None] * D + cols[None, :], row_mask[:, None] & (cols < D)[None, :]
+
+
+@triton.jit
+def _load_input(x_ptr, delta_ptr, h_ptr, offs, mask, HAS_DELTA: tl.constexpr, STORE_H: tl.constexpr,
+                INTERPRETED: tl.constexpr):
+    """The rows to normalise, in fp32: x, or h = x + delta rounded once to h's dtype (stored if STORE_H)."""
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_DELTA:
+        h = round_to(x + tl.load(delta_ptr + offs, mask=mask, other=0.0).to(tl.float32),
+                     h_ptr.dtype.element_ty, INTERPRETED)
+        if STORE_H:
+            tl.store(h_ptr + offs, h, mask=mask)
+        x = h.to(tl.float32)
+    return x
 
 
 # ----------------------------------------------------------------------------- forward
 
 @triton.jit
-def layer_norm_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, D, eps,
-                          HAS_W: tl.constexpr, HAS_B: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRETED: tl.constexpr):
-    """Program r: y[r] = (x[r] - mu) * rstd * w + b, and mean[r] = mu (fp32-rounded), rstd[r] = rstd."""
-    _norm_fwd_row(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, D, eps, HAS_W, HAS_B, False, BLOCK_D, INTERPRETED)
+def layer_norm_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, n_rows, D, eps,
+                          HAS_W: tl.constexpr, HAS_B: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+                          SINGLE: tl.constexpr, LONG: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Program i, rows r of [i ROWS, i ROWS + ROWS): y[r] = (x[r] - mu) rstd w + b; mean[:, r] = (mu, c), rstd[r]."""
+    _norm_fwd(x_ptr, x_ptr, x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, n_rows, D, eps,
+              False, HAS_W, HAS_B, False, ROWS, BLOCK_D, SINGLE, LONG, INTERPRETED)
 
 
 @triton.jit
-def rms_norm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, D, eps, HAS_W: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRETED: tl.constexpr):
-    """Program r: y[r] = x[r] * rstd * w, and rstd[r] = rstd."""
-    # b_ptr and mean_ptr are never touched when IS_RMS: any pointer fills their places
-    _norm_fwd_row(x_ptr, w_ptr, x_ptr, y_ptr, rstd_ptr, rstd_ptr, D, eps, HAS_W, False, True, BLOCK_D, INTERPRETED)
+def rms_norm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, n_rows, D, eps,
+                        HAS_W: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+                        SINGLE: tl.constexpr, LONG: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Program i, rows r of [i ROWS, i ROWS + ROWS): y[r] = x[r] rstd w; rstd[r]."""
+    # pointers a constexpr flag keeps unread (delta, h, b, mean) are filled with any pointer
+    _norm_fwd(x_ptr, x_ptr, x_ptr, w_ptr, x_ptr, y_ptr, rstd_ptr, rstd_ptr, n_rows, D, eps,
+              False, HAS_W, False, True, ROWS, BLOCK_D, SINGLE, LONG, INTERPRETED)
 
 
 @triton.jit
-def _norm_fwd_row(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, D, eps,
-                  HAS_W: tl.constexpr, HAS_B: tl.constexpr, IS_RMS: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRETED: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)  # int64: row * D can pass 2**31 on large inputs
-    x_row = x_ptr + row * D
-    y_row = y_ptr + row * D
+def add_layer_norm_fwd_kernel(x_ptr, delta_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, n_rows, D, eps,
+                              HAS_W: tl.constexpr, HAS_B: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+                              SINGLE: tl.constexpr, LONG: tl.constexpr, INTERPRETED: tl.constexpr):
+    """As layer_norm_fwd_kernel of h = x + delta, and h stored."""
+    _norm_fwd(x_ptr, delta_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, n_rows, D, eps,
+              True, HAS_W, HAS_B, False, ROWS, BLOCK_D, SINGLE, LONG, INTERPRETED)
 
-    mu = 0.0
-    if not IS_RMS:
-        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-        for start in range(0, D, BLOCK_D):
-            cols = start + tl.arange(0, BLOCK_D)
-            acc += tl.load(x_row + cols, mask=cols < D, other=0.0).to(tl.float32)
-        mu = tl.sum(acc, axis=0) / D
-        tl.store(mean_ptr + row, mu)
 
-    # The variance from a second pass over xc = x - mu, never mean(x^2) - mu^2,
-    # which cancels when |mu| is large against the spread. And corrected: mu is
+@triton.jit
+def add_rms_norm_fwd_kernel(x_ptr, delta_ptr, h_ptr, w_ptr, y_ptr, rstd_ptr, n_rows, D, eps,
+                            HAS_W: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+                            SINGLE: tl.constexpr, LONG: tl.constexpr, INTERPRETED: tl.constexpr):
+    """As rms_norm_fwd_kernel of h = x + delta, and h stored."""
+    _norm_fwd(x_ptr, delta_ptr, h_ptr, w_ptr, x_ptr, y_ptr, rstd_ptr, rstd_ptr, n_rows, D, eps,
+              True, HAS_W, False, True, ROWS, BLOCK_D, SINGLE, LONG, INTERPRETED)
+
+
+@triton.jit
+def _norm_fwd(x_ptr, delta_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, n_rows, D, eps,
+              HAS_DELTA: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, IS_RMS: tl.constexpr,
+              ROWS: tl.constexpr, BLOCK_D: tl.constexpr, SINGLE: tl.constexpr, LONG: tl.constexpr,
+              INTERPRETED: tl.constexpr):
+    # The variance is never mean(x^2) - mu^2, which cancels when |mu| is large
+    # against the spread, but mean(xc^2) over xc = x - mu. And corrected: mu is
     # the mean rounded to fp32, so every xc is off by the same rounding, which
-    # rstd amplifies; c = mean(xc) measures it, and xc - c are the deviations
-    # to fp32 accuracy (the corrected two-pass algorithm). RMSNorm: c = 0.
-    # Sums accumulate elementwise and are reduced once after the loop: one
-    # cross-thread reduction per row, however many blocks.
-    acc_sq = tl.zeros([BLOCK_D], dtype=tl.float32)
-    acc_c = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for start in range(0, D, BLOCK_D):
-        cols = start + tl.arange(0, BLOCK_D)
-        mask = cols < D
-        xc = tl.where(mask, tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32) - mu, 0.0)
-        acc_sq += xc * xc
-        if not IS_RMS:
-            acc_c += xc
-    c = 0.0
-    if not IS_RMS:
-        c = tl.sum(acc_c, axis=0) / D
-    rstd = tl.rsqrt(tl.sum(acc_sq, axis=0) / D - c * c + eps)  # mean((xc - c)^2) = mean(xc^2) - c^2
-    tl.store(rstd_ptr + row, rstd)
-
-    for start in range(0, D, BLOCK_D):
-        cols = start + tl.arange(0, BLOCK_D)
-        mask = cols < D
-        y = (tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32) - mu - c) * rstd
+    # rstd amplifies; c = mean(xc) measures it, xc - c are the deviations to
+    # fp32 accuracy, and mean((xc - c)^2) = mean(xc^2) - c^2 (the corrected
+    # two-pass algorithm). The mean is saved as the unevaluated sum mu + c
+    # (mean[0], mean[1]): mu + c rounded to fp32 would be mu again.
+    # RMSNorm: mu = c = 0.
+    eps = tl.cast(eps, tl.float32)  # Inductor may pass an fp64 scalar: no fp64 arithmetic follows
+    first_row = tl.program_id(0) * ROWS
+    y_ty = y_ptr.dtype.element_ty
+    rows, row_mask = _rows(first_row, n_rows, ROWS, LONG)
+    offs, mask = _tile(rows, row_mask, D, 0, BLOCK_D)
+    if SINGLE:
+        x = _load_input(x_ptr, delta_ptr, h_ptr, offs, mask, HAS_DELTA, True, INTERPRETED)
+        if IS_RMS:
+            xc = x
+            var = tl.sum(x * x, axis=1) / D
+        else:
+            mu = tl.sum(x, axis=1) / D
+            xc = tl.where(mask, x - mu[:, None], 0.0)
+            sum_c, sum_sq = _sum2(xc, xc * xc, 1, INTERPRETED)
+            c = sum_c / D
+            var = sum_sq / D - c * c
+            xc = xc - c[:, None]
+        rstd = tl.rsqrt(var + eps)
+        y = xc * rstd[:, None]
+        cols = tl.arange(0, BLOCK_D)[None, :]
         if HAS_W:
-            y = y * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            y = y * tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
         if HAS_B:
-            y = y + tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(y_row + cols, round_to(y, y_ptr.dtype.element_ty, INTERPRETED), mask=mask)
+            y = y + tl.load(b_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+        tl.store(y_ptr + offs, round_to(y, y_ty, INTERPRETED), mask=mask)
+    else:
+        # Wide rows: the same sums, accumulated elementwise over column blocks
+        # and reduced once after each loop.
+        mu = tl.zeros([ROWS], dtype=tl.float32)
+        if not IS_RMS:
+            acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+            for start in range(0, D, BLOCK_D):
+                offs, mask = _tile(rows, row_mask, D, start, BLOCK_D)
+                acc += _load_input(x_ptr, delta_ptr, h_ptr, offs, mask, HAS_DELTA, False, INTERPRETED)
+            mu = tl.sum(acc, axis=1) / D
+        acc_c = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+        acc_sq = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+        for start in range(0, D, BLOCK_D):
+            offs, mask = _tile(rows, row_mask, D, start, BLOCK_D)
+            x = _load_input(x_ptr, delta_ptr, h_ptr, offs, mask, HAS_DELTA, False, INTERPRETED)
+            xc = tl.where(mask, x - mu[:, None], 0.0)
+            acc_c += xc
+            acc_sq += xc * xc
+        sum_c, sum_sq = _sum2(acc_c, acc_sq, 1, INTERPRETED)
+        c = tl.zeros([ROWS], dtype=tl.float32)
+        if not IS_RMS:
+            c = sum_c / D
+        rstd = tl.rsqrt(sum_sq / D - c * c + eps)
+        for start in range(0, D, BLOCK_D):
+            offs, mask = _tile(rows, row_mask, D, start, BLOCK_D)
+            x = _load_input(x_ptr, delta_ptr, h_ptr, offs, mask, HAS_DELTA, True, INTERPRETED)
+            y = (x - mu[:, None] - c[:, None]) * rstd[:, None]
+            cols = start + tl.arange(0, BLOCK_D)[None, :]
+            if HAS_W:
+                y = y * tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+            if HAS_B:
+                y = y + tl.load(b_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+            tl.store(y_ptr + offs, round_to(y, y_ty, INTERPRETED), mask=mask)
+    if not IS_RMS:
+        tl.store(mean_ptr + rows, mu, mask=row_mask)
+        tl.store(mean_ptr + n_rows + rows, c, mask=row_mask)
+    tl.store(rstd_ptr + rows, rstd, mask=row_mask)
 
 
 # ----------------------------------------------------------------------------- backward
 
 @triton.jit
-def layer_norm_bwd_kernel(x_ptr, w_ptr, dy_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_part_ptr, db_part_ptr,
-                          n_rows, D, rows_per_program,
-                          HAS_W: tl.constexpr, HAS_B: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRETED: tl.constexpr):
-    """Program (p, j): dx of rows [p R, p R + R) in column block j; their dw, db sums into row p of the partials."""
-    _norm_bwd_rows(x_ptr, w_ptr, dy_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_part_ptr, db_part_ptr,
-                   n_rows, D, rows_per_program, HAS_W, HAS_B, False, BLOCK_D, INTERPRETED)
+def layer_norm_bwd_kernel(x_ptr, w_ptr, dy_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_part_ptr, db_part_ptr, n_rows, D,
+                          HAS_W: tl.constexpr, HAS_B: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+                          SINGLE: tl.constexpr, LONG: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Persistent program p: dx of its row tiles; their dy xhat and dy sums into row p of the partials."""
+    _norm_bwd(x_ptr, w_ptr, dy_ptr, dy_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_part_ptr, db_part_ptr, n_rows, D,
+              False, HAS_W, HAS_B, False, ROWS, BLOCK_D, SINGLE, LONG, INTERPRETED)
 
 
 @triton.jit
-def rms_norm_bwd_kernel(x_ptr, w_ptr, dy_ptr, rstd_ptr, dx_ptr, dw_part_ptr, n_rows, D, rows_per_program,
-                        HAS_W: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRETED: tl.constexpr):
-    """Program (p, j): dx of rows [p R, p R + R) in column block j; their dw sums into row p of the partials."""
-    _norm_bwd_rows(x_ptr, w_ptr, dy_ptr, rstd_ptr, rstd_ptr, dx_ptr, dw_part_ptr, dw_part_ptr,
-                   n_rows, D, rows_per_program, HAS_W, False, True, BLOCK_D, INTERPRETED)
+def rms_norm_bwd_kernel(x_ptr, w_ptr, dy_ptr, rstd_ptr, dx_ptr, dw_part_ptr, n_rows, D,
+                        HAS_W: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+                        SINGLE: tl.constexpr, LONG: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Persistent program p: dx of its row tiles; their dy xhat sums into row p of the partials."""
+    _norm_bwd(x_ptr, w_ptr, dy_ptr, dy_ptr, rstd_ptr, rstd_ptr, dx_ptr, dw_part_ptr, dw_part_ptr, n_rows, D,
+              False, HAS_W, False, True, ROWS, BLOCK_D, SINGLE, LONG, INTERPRETED)
 
 
 @triton.jit
-def _norm_bwd_rows(x_ptr, w_ptr, dy_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_part_ptr, db_part_ptr,
-                   n_rows, D, rows_per_program,
-                   HAS_W: tl.constexpr, HAS_B: tl.constexpr, IS_RMS: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRETED: tl.constexpr):
-    p = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    mask = cols < D
-    # This program's share of dw and db stays in registers across its rows and
-    # is written once to its own row of the partials: no atomics, no races,
-    # and the caller's sum over programs is deterministic.
-    dw_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    db_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+def add_layer_norm_bwd_kernel(x_ptr, w_ptr, dy_ptr, dh_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_part_ptr, db_part_ptr,
+                              n_rows, D, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ROWS: tl.constexpr,
+                              BLOCK_D: tl.constexpr, SINGLE: tl.constexpr, LONG: tl.constexpr,
+                              INTERPRETED: tl.constexpr):
+    """As layer_norm_bwd_kernel, with dh (the gradient of h = x + delta) added to dx before the one rounding."""
+    _norm_bwd(x_ptr, w_ptr, dy_ptr, dh_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_part_ptr, db_part_ptr, n_rows, D,
+              True, HAS_W, HAS_B, False, ROWS, BLOCK_D, SINGLE, LONG, INTERPRETED)
 
-    row_start = p.to(tl.int64) * rows_per_program  # int64, so is row: row * D can pass 2**31
-    row_end = tl.minimum(row_start + rows_per_program, n_rows)
-    for row in range(row_start, row_end):
-        x_row = x_ptr + row * D
-        dy_row = dy_ptr + row * D
-        mu = 0.0
-        if not IS_RMS:
-            mu = tl.load(mean_ptr + row)
-        rstd = tl.load(rstd_ptr + row)
 
-        # mean(g xhat) and mean(g) are over the whole row, which may span several
-        # column blocks; every program of the row computes them (the row is
-        # read again from cache when it is one block, the usual case). With
-        # xc = x - mu and the forward's correction c = mean(xc) (see there):
-        # mean(g xhat) = (mean(g xc) - c mean(g)) rstd. Each block is reduced as
-        # it is read: block-sized accumulators here, next to dw_acc and db_acc,
-        # would spill registers at BLOCK_D = 8192.
-        sum_gx = 0.0
-        sum_g = 0.0
-        sum_c = 0.0
-        for start in range(0, D, BLOCK_D):
-            k = start + tl.arange(0, BLOCK_D)
-            k_mask = k < D
-            xc = tl.where(k_mask, tl.load(x_row + k, mask=k_mask, other=0.0).to(tl.float32) - mu, 0.0)
-            g = tl.load(dy_row + k, mask=k_mask, other=0.0).to(tl.float32)
-            if HAS_W:
-                g = g * tl.load(w_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
-            sum_gx += tl.sum(g * xc, axis=0)
-            if not IS_RMS:
-                sum_g += tl.sum(g, axis=0)
-                sum_c += tl.sum(xc, axis=0)
-        c = sum_c / D  # both 0 for RMSNorm: no mean was subtracted, so no mean(g) term
-        mean_g = sum_g / D
-        mean_gx = (sum_gx / D - c * mean_g) * rstd
+@triton.jit
+def add_rms_norm_bwd_kernel(x_ptr, w_ptr, dy_ptr, dh_ptr, rstd_ptr, dx_ptr, dw_part_ptr, n_rows, D,
+                            HAS_W: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+                            SINGLE: tl.constexpr, LONG: tl.constexpr, INTERPRETED: tl.constexpr):
+    """As rms_norm_bwd_kernel, with dh added to dx before the one rounding."""
+    _norm_bwd(x_ptr, w_ptr, dy_ptr, dh_ptr, rstd_ptr, rstd_ptr, dx_ptr, dw_part_ptr, dw_part_ptr, n_rows, D,
+              True, HAS_W, False, True, ROWS, BLOCK_D, SINGLE, LONG, INTERPRETED)
 
-        xhat = (tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32) - mu - c) * rstd
-        dy = tl.load(dy_row + cols, mask=mask, other=0.0).to(tl.float32)
-        g = dy
-        if HAS_W:  # reloaded per row (from cache): held across rows, w would spill registers at BLOCK_D = 8192
-            g = dy * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        dx = (g - xhat * mean_gx - mean_g) * rstd
-        tl.store(dx_ptr + row * D + cols, round_to(dx, dx_ptr.dtype.element_ty, INTERPRETED), mask=mask)
+
+@triton.jit
+def _row_stats(mean_ptr, rstd_ptr, rows, row_mask, n_rows, IS_RMS: tl.constexpr):
+    """What the forward saved for these rows: mu, c (0 for RMSNorm) and rstd, each (ROWS,) fp32."""
+    rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+    if IS_RMS:
+        mu = tl.zeros_like(rstd)
+        c = tl.zeros_like(rstd)
+    else:
+        mu = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
+        c = tl.load(mean_ptr + n_rows + rows, mask=row_mask, other=0.0)
+    return mu, c, rstd
+
+
+@triton.jit
+def _norm_bwd(x_ptr, w_ptr, dy_ptr, dh_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_part_ptr, db_part_ptr, n_rows, D,
+              HAS_DH: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, IS_RMS: tl.constexpr,
+              ROWS: tl.constexpr, BLOCK_D: tl.constexpr, SINGLE: tl.constexpr, LONG: tl.constexpr,
+              INTERPRETED: tl.constexpr):
+    # With xhat = (x - mu - c) rstd and g = dy w (see norm.py):
+    #   dx = rstd (g - xhat mean(g xhat) - mean(g)) [+ dh],  dw += dy xhat,  db += dy.
+    # Zero-filled columns and rows past the end have dy = 0, so g, dy xhat and
+    # dy add nothing; the stores are masked.
+    pid = tl.program_id(0)
+    n_programs = tl.num_programs(0)
+    n_tiles = tl.cdiv(n_rows, ROWS)
+    dx_ty = dx_ptr.dtype.element_ty
+    if LONG:
+        part_row = pid.to(tl.int64) * D
+    else:
+        part_row = pid * D
+    if SINGLE:
+        cols = tl.arange(0, BLOCK_D)
+        col_mask = cols < D
+        w = tl.full([BLOCK_D], 1.0, tl.float32)
+        if HAS_W:  # loaded once, held across every row of this program
+            w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        dw_acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+        db_acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+        # Software pipelining by hand: tile t + G is loaded (in its storage
+        # dtype) before tile t's reductions, so its latency hides behind them.
+        rows, row_mask = _rows(pid * ROWS, n_rows, ROWS, LONG)
+        offs, mask = _tile(rows, row_mask, D, 0, BLOCK_D)
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+        dy = tl.load(dy_ptr + offs, mask=mask, other=0.0)
+        mu, c, rstd = _row_stats(mean_ptr, rstd_ptr, rows, row_mask, n_rows, IS_RMS)
+        for tile in range(pid, n_tiles, n_programs):
+            n_rows_idx, n_row_mask = _rows((tile + n_programs) * ROWS, n_rows, ROWS, LONG)
+            n_offs, n_mask = _tile(n_rows_idx, n_row_mask, D, 0, BLOCK_D)
+            n_x = tl.load(x_ptr + n_offs, mask=n_mask, other=0.0)
+            n_dy = tl.load(dy_ptr + n_offs, mask=n_mask, other=0.0)
+            n_mu, n_c, n_rstd = _row_stats(mean_ptr, rstd_ptr, n_rows_idx, n_row_mask, n_rows, IS_RMS)
+
+            xhat = (x.to(tl.float32) - mu[:, None] - c[:, None]) * rstd[:, None]
+            dyf = dy.to(tl.float32)
+            g = dyf * w[None, :]
+            if IS_RMS:
+                mean_gx = tl.sum(g * xhat, axis=1) / D
+                dx = (g - xhat * mean_gx[:, None]) * rstd[:, None]
+            else:
+                sum_gx, sum_g = _sum2(g * xhat, g, 1, INTERPRETED)
+                dx = (g - xhat * (sum_gx / D)[:, None] - (sum_g / D)[:, None]) * rstd[:, None]
+            if HAS_DH:
+                dx += tl.load(dh_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(dx_ptr + offs, round_to(dx, dx_ty, INTERPRETED), mask=mask)
+            dw_acc += dyf * xhat
+            db_acc += dyf
+
+            offs, mask, x, dy, mu, c, rstd = n_offs, n_mask, n_x, n_dy, n_mu, n_c, n_rstd
+        # this program's share of dw and db, written once to its own row of the partials
         if HAS_W:
-            dw_acc += dy * xhat
+            tl.store(dw_part_ptr + part_row + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
         if HAS_B:
-            db_acc += dy
+            tl.store(db_part_ptr + part_row + cols, tl.sum(db_acc, axis=0), mask=col_mask)
+    else:
+        # Wide rows: a pass for the two row sums, a pass for dx; the partials
+        # accumulate in this program's own row of the buffers (set on its first
+        # tile, read back and added to after), so still no other program's
+        # writes are involved.
+        for tile in range(pid, n_tiles, n_programs):
+            rows, row_mask = _rows(tile * ROWS, n_rows, ROWS, LONG)
+            mu, c, rstd = _row_stats(mean_ptr, rstd_ptr, rows, row_mask, n_rows, IS_RMS)
+            acc_gx = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+            acc_g = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+            for start in range(0, D, BLOCK_D):
+                offs, mask = _tile(rows, row_mask, D, start, BLOCK_D)
+                cols = start + tl.arange(0, BLOCK_D)
+                xhat = (tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                        - mu[:, None] - c[:, None]) * rstd[:, None]
+                g = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                if HAS_W:
+                    g = g * tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)[None, :]
+                acc_gx += g * xhat
+                acc_g += g
+            sum_gx, sum_g = _sum2(acc_gx, acc_g, 1, INTERPRETED)
+            mean_gx = sum_gx / D
+            mean_g = tl.zeros_like(mean_gx)
+            if not IS_RMS:
+                mean_g = sum_g / D
+            for start in range(0, D, BLOCK_D):
+                offs, mask = _tile(rows, row_mask, D, start, BLOCK_D)
+                cols = start + tl.arange(0, BLOCK_D)
+                col_mask = cols < D
+                xhat = (tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                        - mu[:, None] - c[:, None]) * rstd[:, None]
+                dyf = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                g = dyf
+                if HAS_W:
+                    g = dyf * tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+                dx = (g - xhat * mean_gx[:, None] - mean_g[:, None]) * rstd[:, None]
+                if HAS_DH:
+                    dx += tl.load(dh_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                tl.store(dx_ptr + offs, round_to(dx, dx_ty, INTERPRETED), mask=mask)
+                later = col_mask & (cols * 0 + tile > pid)  # an i1 tensor: the interpreter refuses a scalar mask
+                if HAS_W:
+                    part = tl.load(dw_part_ptr + part_row + cols, mask=later, other=0.0)
+                    tl.store(dw_part_ptr + part_row + cols, part + tl.sum(dyf * xhat, axis=0), mask=col_mask)
+                if HAS_B:
+                    part = tl.load(db_part_ptr + part_row + cols, mask=later, other=0.0)
+                    tl.store(db_part_ptr + part_row + cols, part + tl.sum(dyf, axis=0), mask=col_mask)
 
+
+@triton.jit
+def norm_grad_sum_kernel(dw_part_ptr, db_part_ptr, dw_ptr, db_ptr, n_parts, D,
+                         HAS_W: tl.constexpr, HAS_B: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
+                         LONG: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Program j: dw[cols] = sum over p of dw_part[p, cols] (and db), cols the j-th block of BLOCK_C columns,
+    summed in fp32 in a fixed order and rounded once to dw's (db's) dtype."""
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_mask = cols < D
+    acc_w = tl.zeros([BLOCK_P, BLOCK_C], dtype=tl.float32)
+    acc_b = tl.zeros([BLOCK_P, BLOCK_C], dtype=tl.float32)
+    for start in range(0, n_parts, BLOCK_P):
+        parts = start + tl.arange(0, BLOCK_P)
+        mask = (parts < n_parts)[:, None] & col_mask[None, :]
+        if LONG:
+            parts = parts.to(tl.int64)
+        offs = parts[:, None] * D + cols[None, :]
+        if HAS_W:
+            acc_w += tl.load(dw_part_ptr + offs, mask=mask, other=0.0)
+        if HAS_B:
+            acc_b += tl.load(db_part_ptr + offs, mask=mask, other=0.0)
     if HAS_W:
-        tl.store(dw_part_ptr + p * D + cols, dw_acc, mask=mask)
+        tl.store(dw_ptr + cols, round_to(tl.sum(acc_w, axis=0), dw_ptr.dtype.element_ty, INTERPRETED), mask=col_mask)
     if HAS_B:
-        tl.store(db_part_ptr + p * D + cols, db_acc, mask=mask)
+        tl.store(db_ptr + cols, round_to(tl.sum(acc_b, axis=0), db_ptr.dtype.element_ty, INTERPRETED), mask=col_mask)
