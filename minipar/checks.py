@@ -89,15 +89,17 @@ def broadcast_initial_state(module: nn.Module, mesh: Mesh) -> None:
 
 def check_batch(mesh: Mesh, inputs: Any, targets: Any, vocab_size: int | None, block_size: int | None,
                 ignore_index: int = -100, active: int = 1, microbatches: int = 1, seq_shards: int = 1,
-                seq_shards_why: str = "") -> list[int]:
+                seq_shards_why: str = "", ids_only_why: str = "") -> list[int]:
     """ValueError on every rank if any rank's batch is bad (see the module docstring). One
-    all-gather of ``7 + 2 * _SHAPE_DIMS`` integers per rank over the world, which also carries
+    all-gather of ``8 + 2 * _SHAPE_DIMS`` integers per rank over the world, which also carries
     each rank's ``active`` flag (`minipar.join`: 1 training, 0 shadowing, -1 out of data before
     its first step); returns every rank's flag. ``microbatches`` must divide the batch and
     ``seq_shards`` the sequence (``seq_shards_why`` says who cuts it: "tp=2" under sequence
-    parallelism, "2 x cp=2" under ring attention)."""
-    # ids out of range, targets out of range, sequence too long, shapes differ, batch or sequence not divisible
-    mine = [0, 0, 0, 0, 0, 0]
+    parallelism, "2 x cp=2" under ring attention). ``ids_only_why``, when given, says why the inputs
+    must be one tensor (a pipeline's stages pass nothing else between them: no attention mask)."""
+    # ids out of range, targets out of range, sequence too long, shapes differ, batch or sequence not
+    # divisible, inputs other than token ids where only they are taken
+    mine = [0, 0, 0, 0, 0, 0, 0]
     ids = inputs if torch.is_tensor(inputs) and not inputs.is_floating_point() else None
     tgt = targets if torch.is_tensor(targets) and not targets.is_floating_point() else None
     here = next((t.device for t in (ids, tgt) if t is not None), torch.device("cpu"))  # the flags stay with the batch
@@ -113,6 +115,7 @@ def check_batch(mesh: Mesh, inputs: Any, targets: Any, vocab_size: int | None, b
     lead = inputs if torch.is_tensor(inputs) else None
     mine[4] = int(lead is not None and lead.dim() >= 1 and lead.shape[0] % microbatches != 0)
     mine[5] = int(lead is not None and lead.dim() >= 2 and lead.shape[1] % seq_shards != 0)
+    mine[6] = int(bool(ids_only_why) and not torch.is_tensor(inputs))
     shapes = [list(t.shape)[:_SHAPE_DIMS] + [-1] * (_SHAPE_DIMS - min(t.dim(), _SHAPE_DIMS)) if torch.is_tensor(t)
               else [-2] * _SHAPE_DIMS for t in (inputs, targets)]
     both = torch.stack(flags).to(torch.int64)
@@ -131,7 +134,7 @@ def check_batch(mesh: Mesh, inputs: Any, targets: Any, vocab_size: int | None, b
                          "cannot shadow the others' steps; give every rank at least one batch")
     problems = []
     for r, row in enumerate(rows):
-        b, t = row[6], row[7]  # this rank's inputs' batch and sequence lengths
+        b, t = row[7], row[8]  # this rank's inputs' batch and sequence lengths
         what = [w for w, bad in zip((f"token ids outside [0, {vocab_size})",
                                      f"targets outside [0, {vocab_size}) other than ignore_index={ignore_index}",
                                      f"a sequence longer than the block size {block_size}",
@@ -139,14 +142,17 @@ def check_batch(mesh: Mesh, inputs: Any, targets: Any, vocab_size: int | None, b
                                      f"a batch of {b} does not split into microbatches={microbatches}; use a batch "
                                      "size divisible by the micro-batch count",
                                      f"a sequence of {t} does not split into {seq_shards_why or f'{seq_shards} shards'}; "
-                                     f"use a sequence length divisible by {seq_shards}"), row[:6]) if bad]
+                                     f"use a sequence length divisible by {seq_shards}",
+                                     f"inputs that are not one tensor (token ids), which {ids_only_why} takes alone "
+                                     "(no attention mask: pass unpadded token ids (batch, seq), or train without "
+                                     "pipeline parallelism)"), row[:7]) if bad]
         if what:
             problems.append(f"rank {r} ({mesh.where(r)}): {'; '.join(what)}")
     for axis in ("tp", "cp", "pp"):  # these ranks cut one batch: they must be given the same shape
         groups = mesh.rank_lists(axis)
-        ranks = next((g for g in groups if len({tuple(rows[r][6:]) for r in g}) > 1), None)  # every group's,
+        ranks = next((g for g in groups if len({tuple(rows[r][7:]) for r in g}) > 1), None)  # every group's,
         if ranks is not None:  # not only this rank's: all ranks must raise together
-            got = {r: rows[r][6:] for r in ranks}
+            got = {r: rows[r][7:] for r in ranks}
             shown = ", ".join(f"rank {r}: {_shape(v[:_SHAPE_DIMS])}/{_shape(v[_SHAPE_DIMS:])}" for r, v in got.items())
             problems.append(f"the {axis} ranks {list(ranks)} were given batches of different shapes "
                             f"(inputs/targets): {shown}; give every rank of a {axis} group the same batch")

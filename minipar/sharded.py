@@ -265,7 +265,8 @@ class ShardedModule(nn.Module):
     def _train_step(self, inputs: Any, targets: Any, loss_fn: Callable, active: int = 1) -> torch.Tensor | None:
         flags = check_batch(self.mesh, inputs, targets, self._vocab_size, self._block_size, active=active,
                             microbatches=self.pipeline.microbatches if self.pipeline is not None else 1,
-                            seq_shards=self._seq_shards, seq_shards_why=self._seq_shards_why)
+                            seq_shards=self._seq_shards, seq_shards_why=self._seq_shards_why,
+                            ids_only_why=f"pipeline parallelism (pp={self.mesh.pp})" if self.pipeline is not None else "")
         inputs, targets = to_device((inputs, targets), self.mesh.device)  # a host batch: checked there, for free
         if self.context is not None:  # each cp rank keeps its tokens; the loss is weighted to stay the mean
             inputs, targets, loss_fn = self.context.split(inputs, targets, loss_fn)

@@ -22,13 +22,21 @@ wpe / h / ln_f``, ``lm_head``) and Llama-family models (``model.embed_tokens / l
 rotary_emb``, ``lm_head``: Llama, Mistral, Qwen2 and the like); any other model passes its own
 spec (``ShardedModule(..., pipeline=PipelineConfig(stage_spec=...))``).
 
-A Hugging Face block is called with the hidden states and keyword arguments only: no attention
-mask (its attention is then causal, as in training without padding), no cache; a block that
-returns a tuple gives its first element.
+A Hugging Face block is called with the hidden states and keyword arguments only, no cache; a
+block that returns a tuple gives its first element. Its attention mask is the one the model builds
+at its top for a batch without padding, for the attention implementation its config names
+(`hf_causal_mask`): a 4-d additive mask for ``eager`` (whose attention applies no causal mask of its
+own: without it a block attends to the future), None for ``sdpa`` (which is then causal by itself),
+a block mask for ``flex_attention``, sliding-window masks where the config asks for them. A model
+whose layers use different kinds of mask (``config.layer_types``) is refused: the stages give every
+block the same keyword arguments. Padding masks do not travel between stages: the pipeline takes
+token ids only (`minipar.checks.check_batch` refuses other inputs under pipeline parallelism).
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -94,6 +102,36 @@ def gpt_spec(model: nn.Module) -> StageSpec:
                      hidden_size=model.config.n_embd, tied=("wte.weight", "lm_head.weight"))
 
 
+# -- Hugging Face models: the attention mask ----------------------------------------------------------
+
+def hf_causal_mask(config: Any, h: torch.Tensor, position_ids: torch.Tensor) -> Any:
+    """The attention mask a Hugging Face model builds before its first layer for hidden states ``h``
+    (batch, seq, hidden) without padding: ``transformers.masking_utils``' causal mask (or its sliding-
+    window form when the config asks for one) for ``config._attn_implementation``. The argument names
+    of those functions changed across transformers releases; they are matched by name."""
+    from transformers import masking_utils
+
+    sliding = _mask_kind(config) == "sliding_attention"
+    fn = masking_utils.create_sliding_window_causal_mask if sliding else masking_utils.create_causal_mask
+    params = inspect.signature(fn).parameters
+    given = {"config": config, "inputs_embeds": h, "input_embeds": h, "attention_mask": None, "cache": None,
+             "past_key_values": None, "position_ids": position_ids,
+             "cache_position": torch.arange(h.shape[1], device=h.device)}
+    return fn(**{k: v for k, v in given.items() if k in params})
+
+
+def _mask_kind(config: Any) -> str:
+    """"full_attention" or "sliding_attention": the one kind of mask every layer of the model uses."""
+    kinds = set(getattr(config, "layer_types", None) or ())
+    if len(kinds) > 1:
+        raise ValueError(f"pipeline stages give every block the same attention mask, but this model's layers use "
+                         f"{sorted(kinds)} (config.layer_types): train it without pipeline parallelism, or pass a "
+                         "StageSpec whose blocks build their own masks")
+    if kinds:
+        return kinds.pop()
+    return "sliding_attention" if getattr(config, "sliding_window", None) is not None else "full_attention"
+
+
 # -- Hugging Face GPT-2 -----------------------------------------------------------------------------
 
 def _gpt2_embed(s, ids):
@@ -101,25 +139,33 @@ def _gpt2_embed(s, ids):
     return t.drop(t.wte(ids) + t.wpe(_positions(ids)))
 
 
+def _gpt2_kwargs(config, s, h):
+    return {"attention_mask": hf_causal_mask(config, h, _positions(h)[None])}
+
+
 def hf_gpt2_spec(model: nn.Module) -> StageSpec:
+    _mask_kind(model.config)
     return StageSpec(blocks="transformer.h", first=("transformer.wte", "transformer.wpe", "transformer.drop"),
                      last=("transformer.ln_f", "lm_head"), embed=_gpt2_embed,
                      head=lambda s, h: s.lm_head(s.transformer.ln_f(h)), hidden_size=model.config.n_embd,
+                     block_kwargs=functools.partial(_gpt2_kwargs, model.config),
                      tied=("transformer.wte.weight", "lm_head.weight"))
 
 
 # -- Hugging Face Llama family ----------------------------------------------------------------------
 
-def _llama_kwargs(s, h):
+def _llama_kwargs(config, s, h):
     position_ids = _positions(h)[None]
     # the rotary module computes (cos, sin) for these positions; every decoder layer takes them
-    return {"position_ids": position_ids, "position_embeddings": s.model.rotary_emb(h, position_ids)}
+    return {"position_ids": position_ids, "position_embeddings": s.model.rotary_emb(h, position_ids),
+            "attention_mask": hf_causal_mask(config, h, position_ids)}
 
 
 def hf_llama_spec(model: nn.Module) -> StageSpec:
+    _mask_kind(model.config)
     return StageSpec(blocks="model.layers", first=("model.embed_tokens",), last=("model.norm", "lm_head"),
                      embed=lambda s, ids: s.model.embed_tokens(ids), head=lambda s, h: s.lm_head(s.model.norm(h)),
-                     hidden_size=model.config.hidden_size, block_kwargs=_llama_kwargs,
+                     hidden_size=model.config.hidden_size, block_kwargs=functools.partial(_llama_kwargs, model.config),
                      tied=("model.embed_tokens.weight", "lm_head.weight"))
 
 
