@@ -96,13 +96,20 @@ def _try_save(path: pathlib.Path, tag: str, point: int | None) -> bool:
 
 
 def _latest_tag(root: pathlib.Path) -> str | None:
-    """The invariant, checked: every final name complete, and the tag of what find_latest returns."""
+    """The invariant, checked: every final name complete, ``latest`` holding a final name (before and
+    after recovery), and the tag of what find_latest returns: a complete directory under a final name,
+    the one ``latest`` names once find_latest has recovered what a crash left."""
     for d in root.iterdir():
         assert not d.is_dir() or d.name.startswith(".") or _complete(d), f"{d.name}: final name, incomplete"
+    pointed = files._pointed(root)
+    assert pointed is None or not pointed.startswith("."), f"latest names a hidden directory: {pointed}"
     latest = checkpoint.find_latest(root)
     if latest is None:
         return None
     assert _complete(latest), f"find_latest returned {latest.name}, which is incomplete"
+    assert not latest.name.startswith("."), f"find_latest returned a hidden directory: {latest.name}"
+    pointed = files._pointed(root)
+    assert pointed is None or pointed == latest.name or not (root / pointed).exists(), (pointed, latest.name)
     return (latest / "rank00000.pt").read_text().split("\n")[0]
 
 
@@ -191,19 +198,46 @@ def _resave_crashed(ctx, root: pathlib.Path, point: int):
 
 def test_resaving_the_latest_path_never_loses_it(pools, tmp_path):
     """``save(root/"ckpt")`` twice, the second crashing on rank 0 at each of its filesystem changes
-    in turn: a restart always finds a complete checkpoint and loads it, the first one or the
-    second (once minipar moved the old directory aside first, and a crash there left nothing to
-    resume from); a save that runs through leaves ``ckpt`` holding step 2 and nothing hidden."""
+    in turn: a restart always finds a complete checkpoint under the name ``ckpt`` and loads it, the
+    first one or the second. (Once minipar moved the old directory aside first, and a crash there left
+    nothing to resume from; later ``latest`` named the temporary ``.ckpt.tmp`` during a replace, and a
+    save reusing that path could remove the only copy.) A save that runs through leaves ``ckpt``
+    holding step 2 and nothing hidden."""
     for point in itertools.count():
         root = tmp_path / f"p{point}"
         results = pools.run(2, _resave_crashed, root, point)
         crashed, name, step = results[0]
         assert all(r == results[0] for r in results), results
-        assert name in {"ckpt", ".ckpt.tmp"} and step in {1, 2}, (point, name, step)
+        assert name == "ckpt" and step in {1, 2}, (point, name, step)  # never a hidden name
         if not crashed:
             assert (name, step) == ("ckpt", 2) and sorted(os.listdir(root)) == ["ckpt", "latest"]
             break
         assert point < 20
+
+
+def test_a_crash_between_the_two_renames_is_completed_or_rolled_back(tmp_path, monkeypatch):
+    """The window of a replace: ``ckpt`` renamed aside, the new one not yet in its place. With the new
+    one complete, find_latest completes the save (and load reads it); with the new one torn (never
+    so after its manifest, but a disk can lose it), it rolls back to the old one. ``latest`` names
+    ``ckpt`` throughout, and a later save to the same path keeps a complete copy at every point."""
+    monkeypatch.setattr(os, "fsync", lambda fd: None)
+    for torn in (False, True):
+        root = tmp_path / f"torn{torn}"
+        root.mkdir()
+        _save_files(root / "ckpt", "old")
+        tmp = files.begin(root / "ckpt")
+        (tmp / "rank00000.pt").write_bytes(b"new\n")
+        files.write_json(tmp / "manifest.json", {"format": files.FORMAT, "version": files.VERSION, "files": {
+            "rank00000.pt": {"sha256": hashlib.sha256(b"new\n").hexdigest(), "bytes": 4, "params": [],
+                             "buffers": []}}})
+        os.rename(root / "ckpt", root / ".ckpt.old")  # publish's step 2, then the crash
+        if torn:
+            (tmp / "rank00000.pt").unlink()
+        assert files._pointed(root) == "ckpt" and not (root / "ckpt").exists()
+        assert _latest_tag(root) == ("old" if torn else "new")
+        assert sorted(p for p in os.listdir(root) if not p.startswith(".")) == ["ckpt", "latest"]
+        _save_files(root / "ckpt", "after")
+        assert _latest_tag(root) == "after" and not [p for p in os.listdir(root) if p.startswith(".")]
 
 
 # -- every file is verified, also those no rank reads -------------------------------------------------

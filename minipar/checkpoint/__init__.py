@@ -29,11 +29,13 @@ hyperparameters and the caller's ``extra_state``.
 
 Never torn. Every rank writes into ``.<name>.tmp`` next to the target; rank 0
 writes the manifest (each file's size and sha256, the layout, every parameter
-name and shape) last, then renames the directory into place and points
-``<root>/latest`` at it (each step an atomic rename). Replacing an existing
-checkpoint points ``latest`` at the new one before the old one is moved
-aside. At every instant `find_latest` returns a complete checkpoint, the
-previous one or the new one (the sequence: ``files.py``'s docstring).
+name and shape) last, then renames the directory into place (an existing one
+moved aside first) and points ``<root>/latest`` at it (each step an atomic
+rename). ``latest`` only ever holds a final name; a crash between the two
+renames of a replace leaves that name missing for a moment, and `find_latest`,
+`load` and the next save first complete the save (its files were all written)
+or roll it back. So `find_latest` returns a complete checkpoint, the previous
+one or the new one (the sequence: ``files.py``'s docstring).
 
 Never trusted. Loading refuses, with the reason, on every rank and before
 changing anything: a directory without a manifest (a save that did not
@@ -58,7 +60,7 @@ from typing import Any
 
 import torch
 
-from .files import (FORMAT, VERSION, CheckpointError, begin, check_plain, check_sums, find_latest, publish,
+from .files import (FORMAT, VERSION, CheckpointError, begin, check_plain, check_sums, find_latest, publish, recover,
                     read_manifest, read_rank_file, sha256_of, step_path, temporary)
 from .pieces import (Slot, agreed, assemble_full, cut_local, global_names, layout_of, missing_or_different,
                      optimizer_of, slots_of, split_state)
@@ -238,6 +240,7 @@ def load(path: str | os.PathLike | None, model, optimizer) -> Any:
 def _prepare(path: Path, model, optimizer, slots: list[Slot], all_params: dict, all_buffers: dict) -> dict:
     """Everything ``load`` will write, computed without touching the model: any error is raised here."""
     mesh = model.mesh
+    recover(path.parent)  # a save that a crash interrupted between its renames: completed or rolled back
     manifest = read_manifest(path)
     problem = missing_or_different(manifest, all_params, all_buffers)
     if problem:

@@ -3,36 +3,36 @@
 Layout on disk: ``<root>/step_00000100/`` holding ``rank{r:05d}.pt`` per rank
 and ``manifest.json`` (format, layout, every parameter's name and shape, each
 file's size and sha256), written last; ``<root>/latest`` names the newest
-complete directory. Rank files are read with ``torch.load(weights_only=True)``
-after their checksum matched.
+complete directory, always by its final name. Rank files are read with
+``torch.load(weights_only=True)`` after their checksum matched.
 
-The invariant: at every instant, `find_latest(root)` returns a complete
-checkpoint -- the one it returned before a save began, or the new one -- and
-every directory under a final (not dot-prefixed) name is complete. A crash at
-any step below leaves a state that satisfies it, and the next save finishes or
-discards what the crash left. Saving to ``<root>/X`` (each step an atomic
-rename, each followed by an fsync of the directory):
+The invariant: at every instant, every directory under a final (not
+dot-prefixed) name is complete, ``latest`` names a final name, and after
+`recover` (which `find_latest`, `load` and every save run first) that name is
+a complete directory: the checkpoint ``latest`` named before a save began, or
+the new one. Saving to ``<root>/X`` (each step an atomic rename, each followed
+by an fsync of the directory):
 
-  `begin` (rank 0)  if ``latest`` names ``.X'.tmp`` of some X' (a replace
-                    that crashed after step 2), finish that replace (3-5);
-                    remove a stale ``.X.tmp`` and ``.X.old``; create ``.X.tmp``.
+  `begin` (rank 0)  `recover`; remove a stale ``.X.tmp``, and every ``.Y.old``
+                    whose Y is complete; create ``.X.tmp``.
   every rank        writes and fsyncs its ``rank{r:05d}.pt`` into ``.X.tmp``.
   `publish` (rank 0)
     1. ``manifest.json`` into ``.X.tmp``, last: from here ``.X.tmp`` is complete.
-    2. only if X exists (a replace): point ``latest`` at ``.X.tmp``. The new
-       checkpoint is the latest *before* the old one moves, so no instant has
-       ``latest`` naming a directory that is being moved away.
-    3. only if X exists: rename X to ``.X.old``.
-    4. rename ``.X.tmp`` to X. ``latest`` still names ``.X.tmp``, now gone:
-       `find_latest` then returns X (a ``.X.tmp`` that ``latest`` names only
-       ever disappears by this rename).
-    5. remove ``.X.old``, then point ``latest`` at X (in this order: while
-       ``latest`` names ``.X.tmp`` the next `begin` finishes the job, so a
-       crash in the removal leaves no old copy behind for good).
+    2. only if X exists (a replace): rename X to ``.X.old``.
+    3. rename ``.X.tmp`` to X.
+    4. point ``latest`` at X.
+    5. remove ``.X.old``.
 
-Without step 2 (moving the old one aside first, as minipar once did) a crash
-between 3 and 4 left ``latest`` naming nothing and both checkpoints under
-hidden names, and a restart began from scratch.
+A crash between 2 and 3 leaves X missing, possibly the very name ``latest``
+holds. `recover` puts a directory back under every missing final name that a
+crash left hidden: the new one when ``.X.tmp`` is complete (the save had
+finished writing: it is completed), else the old one from ``.X.old`` (rolled
+back). It never deletes anything (a reader may run it while a save is under
+way, and completing a finished save early is what publish would do next), and
+two processes running it at once each rename or find the rename done. Before
+this, ``latest`` named ``.X.tmp`` during a replace; a later save reusing that
+temporary path could remove the only complete copy. Such a pointer, left by a
+crash of an earlier minipar, is finished by `recover` too.
 """
 
 from __future__ import annotations
@@ -63,17 +63,56 @@ def find_latest(root: str | os.PathLike) -> Path | None:
     """The newest complete checkpoint under ``root``, or None when nothing was saved there yet (or
     ``root`` does not exist): resume with ``path = find_latest(root); if path is not None: load(path, ...)``.
 
-    It is the directory ``root/latest`` names (or, if that is a ``.X.tmp`` renamed since, X: step 4
-    of a replace), else (a crash before the pointer was first written) the last complete one by name."""
+    It is the directory ``root/latest`` names, after `recover` finished or rolled back a save that a
+    crash interrupted; else (a crash before the pointer was first written) the last complete one by name."""
     root = Path(root)
+    if not root.is_dir():
+        return None
+    recover(root)
     name = _pointed(root)
-    if name is not None:
-        for candidate in (name, _final_name(name)):
-            if candidate is not None and (root / candidate / MANIFEST).is_file():
-                return root / candidate
-    complete = sorted(d for d in root.iterdir() if not d.name.startswith(".") and (d / MANIFEST).is_file()) \
-        if root.is_dir() else []
+    if name is not None and _final_name(name) is None and _complete(root / name):
+        return root / name
+    complete = sorted(d for d in root.iterdir() if not d.name.startswith(".") and _complete(d))
     return complete[-1] if complete else None
+
+
+def recover(root: Path) -> None:
+    """Put back every final name that a crash between publish's renames left missing (module
+    docstring): ``.X.tmp`` complete -> X (the save completed), else ``.X.old`` complete -> X (rolled
+    back); and finish a replace that an earlier minipar left with ``latest`` naming ``.X.tmp``. Only
+    renames; safe to run from several processes at once."""
+    if not root.is_dir():
+        return
+    for hidden in sorted(d.name for d in root.iterdir() if d.name.startswith(".")):
+        final = _final_name(hidden) or _old_name(hidden)
+        if final is None or os.path.lexists(root / final):
+            continue
+        for source in (temporary(root / final), _aside(root / final)):  # the new one first
+            if _complete(source) and _rename_if_there(source, root / final):
+                break
+    _finish_legacy_pointer(root)
+
+
+def _complete(d: Path) -> bool:
+    """``d`` holds its manifest and every file it lists, at the listed size (no checksums: cheap)."""
+    try:
+        read_manifest(d)
+        return True
+    except (CheckpointError, OSError, KeyError, TypeError):
+        return False
+
+
+def _rename_if_there(src: Path, dst: Path) -> bool:
+    """``src`` to ``dst``; True when ``dst`` now exists, whoever renamed it (another process may have)."""
+    try:
+        os.rename(src, dst)
+        fsync_dir(dst.parent)
+    except FileNotFoundError:
+        pass
+    except OSError:
+        if not os.path.lexists(dst):
+            raise
+    return os.path.lexists(dst)
 
 
 def temporary(path: Path) -> Path:
@@ -84,6 +123,11 @@ def temporary(path: Path) -> Path:
 def _final_name(name: str) -> str | None:
     """X for ``.X.tmp``; None for any other name."""
     return name[1:-4] if name.startswith(".") and name.endswith(".tmp") and len(name) > 5 else None
+
+
+def _old_name(name: str) -> str | None:
+    """X for ``.X.old``; None for any other name."""
+    return name[1:-4] if name.startswith(".") and name.endswith(".old") and len(name) > 5 else None
 
 
 def _pointed(root: Path) -> str | None:
@@ -137,13 +181,18 @@ def write_json(path: Path, obj: Any) -> None:
 
 def begin(path: Path) -> Path:
     """Rank 0, before any rank writes: an empty temporary directory for a save of ``path`` (see the
-    module docstring). A replace that crashed half-way is finished first, so that removing a stale
-    ``.X.tmp`` can never remove the checkpoint ``latest`` names."""
+    module docstring). A save that a crash interrupted is completed or rolled back first, so that
+    removing a stale ``.X.tmp`` never removes the only copy of a checkpoint."""
+    root = path.parent
+    root.mkdir(parents=True, exist_ok=True)
+    recover(root)
     tmp = temporary(path)
-    _finish_interrupted(path.parent)
     shutil.rmtree(tmp, ignore_errors=True)  # a save that died before its manifest: start afresh
-    shutil.rmtree(_aside(path), ignore_errors=True)
-    tmp.mkdir(parents=True)
+    for d in list(root.iterdir()):  # an old copy left by a crash after its replacement was in place
+        final = _old_name(d.name)
+        if final is not None and _complete(root / final):
+            shutil.rmtree(d, ignore_errors=True)
+    tmp.mkdir()
     return tmp
 
 
@@ -159,40 +208,31 @@ def publish(path: Path, tmp: Path, infos: list[dict], layout: dict, optimizer_na
                 "optimizer": optimizer_name, "params": params, "buffers": buffers, "aliases": aliases,
                 "files": {i["file"]: {k: i[k] for k in ("sha256", "bytes", "params", "buffers")} for i in infos}}
     write_json(tmp / MANIFEST, manifest)  # 1: the checkpoint is complete, under its temporary name
-    if os.path.lexists(path):
-        _point(path.parent, tmp.name)  # 2: the new one is the latest before the old one moves
-    _move_into_place(tmp, path)  # 3, 4
-    _drop_old_and_point(path)  # 5
-
-
-def _move_into_place(tmp: Path, path: Path) -> None:
-    """Steps 3 and 4: the old ``path`` (if any) to ``.X.old``, then ``tmp`` to ``path``."""
-    if os.path.lexists(path):
-        shutil.rmtree(_aside(path), ignore_errors=True)  # never what latest names: garbage of a crash
+    if os.path.lexists(path):  # 2: the old one aside (from here until 3, recover completes the save)
         os.rename(path, _aside(path))
         fsync_dir(path.parent)
-    os.rename(tmp, path)
-    fsync_dir(path.parent)
+    if not _rename_if_there(tmp, path):  # 3 (a reader's recover may have done it already)
+        raise CheckpointError(f"{tmp} vanished before it was renamed to {path}")
+    _point(path.parent, path.name)  # 4
+    shutil.rmtree(_aside(path), ignore_errors=True)  # 5
 
 
-def _drop_old_and_point(path: Path) -> None:
-    """Step 5: remove the old one, *then* point ``latest`` at ``path``: a crash in the removal leaves
-    ``latest`` naming ``.X.tmp``, so the next save (of any name) finishes it and no old copy is left."""
-    shutil.rmtree(_aside(path), ignore_errors=True)
-    _point(path.parent, path.name)
-
-
-def _finish_interrupted(root: Path) -> None:
-    """If ``latest`` names ``.X.tmp`` (a replace of X crashed after step 2), do steps 3-5 of it."""
+def _finish_legacy_pointer(root: Path) -> None:
+    """``latest`` naming ``.X.tmp``: a replace of X by an earlier minipar, crashed after it pointed
+    there. Its steps were: the old X aside, ``.X.tmp`` to X, then ``latest`` to X; finish them."""
     name = _pointed(root)
     final = _final_name(name) if name is not None else None
     if final is None:
         return
     tmp, path = root / name, root / final
-    if (tmp / MANIFEST).is_file():
-        _move_into_place(tmp, path)
-    if (path / MANIFEST).is_file():
-        _drop_old_and_point(path)
+    if _complete(tmp):
+        if os.path.lexists(path):
+            shutil.rmtree(_aside(path), ignore_errors=True)
+            os.rename(path, _aside(path))
+        _rename_if_there(tmp, path)
+    if _complete(path):
+        _point(root, final)
+        shutil.rmtree(_aside(path), ignore_errors=True)
 
 
 def _aside(path: Path) -> Path:
