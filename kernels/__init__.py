@@ -16,10 +16,11 @@ from .activation import gelu, swiglu
 from .adamw import adamw_step_, fused_step, supports as adamw_supports
 from .cross_entropy import cross_entropy, row_stats, xent_grad
 from .dispatch import interpreting, launches, use_triton
+from .linear_cross_entropy import linear_cross_entropy
 from .norm import layer_norm, rms_norm
 from .permute import permute, unpermute
 from .scale_cast import scale_cast_
 
 __all__ = ["interpreting", "launches", "use_triton", "permute", "unpermute", "layer_norm", "rms_norm",
-           "cross_entropy", "row_stats", "xent_grad", "gelu", "swiglu", "adamw_step_", "fused_step",
-           "adamw_supports", "scale_cast_"]
+           "cross_entropy", "row_stats", "xent_grad", "linear_cross_entropy", "gelu", "swiglu", "adamw_step_",
+           "fused_step", "adamw_supports", "scale_cast_"]
