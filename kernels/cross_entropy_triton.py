@@ -9,18 +9,25 @@ loaded without a mask (no per-element predicate, no fill value); only the last, 
 program's rows past N are clamped to row N - 1 for loading (a harmless re-read) and masked at the stores.
 
 The online softmax is held elementwise. Every lane (an element position of the tile) keeps its own running
-max m and sum s = sum exp(z - m) over the columns it has seen; a new z updates them with ONE exponential,
-exp(-|z - m|), whichever of the two is larger (`_lane_update`). No cross-lane work happens
-inside the loop: the lanes of a row are combined once, at the end, by one `tl.reduce` whose combine
-function merges two (max, sum) pairs the same way (`_merge`), so a row costs one reduction however wide
-it is. (The interpreter runs such a reduce in Python, element by element; under it, and only there, the
-lanes are combined as a max, then a rescaled sum: see `_row_stats`.) The running max starts at -FLT_MAX,
-not -inf, so z - m is never -inf + inf = NaN (a lane that saw only -inf keeps s = 0, the
-right sum); a NaN logit reaches the sum and the max, and so the loss, as in PyTorch.
+max m and sum s = sum exp(z - m) over the columns it has seen, and a new z updates them with ONE
+exponential, e = exp(-|z - m|): if z > m the new max is z and s becomes s e + 1, else s becomes s + e
+(`_lane_update`). No cross-lane work happens inside the loop: the lanes of a row are combined once, at
+the end, by one `tl.reduce` whose combine function merges two (max, sum) pairs the same way (`_merge`),
+so a row costs one reduction however wide it is. (The interpreter runs such a reduce in Python, element
+by element; under it, and only there, the lanes are combined as a max, then a rescaled sum: see
+`_reduce_lanes`.) The running max starts at -FLT_MAX, not -inf, so z - m is never -inf + inf = NaN (a
+lane that saw only -inf keeps s = 0, the right sum); a NaN logit reaches the sum and the max, and so the
+loss, as in PyTorch.
 
-Exponentials are exp(x) = 2^(x log2 e) with the GPU's flush-to-zero ex2 (`_exp`): results below 2^-126
-become 0 instead of a denormal (a relative change of at most 2^-126 in any sum or gradient here), which
-spares three instructions per element of the non-ftz form. The interpreter uses tl.exp.
+The gradient is streamed once, g = coef (exp(z - lse) - eps/V - (1 - eps)[j = t]) (`_write_grad`); the
+target column is found by comparing int32 column indices within the tile with the target's, and a row
+whose coefficient is 0 (ignored) gets lse = +inf, so exp(z - lse) = 0 and g = 0 exactly, with no
+per-element select.
+
+Per-element exponentials are exp(x) = 2^(x log2 e) with the GPU's flush-to-zero ex2 (`_exp`): a term
+below 2^-126 becomes 0 instead of a denormal (an absolute change below 2^-126, next to sums of at least
+1 and gradients rounded far coarser), which spares the three instructions per element of the non-ftz
+form. The interpreter uses tl.exp.
 
 Kernels (the launchers are in ``cross_entropy.py`` and ``linear_cross_entropy.py``):
 

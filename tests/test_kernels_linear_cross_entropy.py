@@ -1,14 +1,16 @@
 """minipar.kernels.linear_cross_entropy: the LM head's loss in row chunks, against the unchunked math in fp64.
 
 The reference is ``F.cross_entropy(hidden @ weight.T, ...)`` computed in fp64 from the same (exactly
-upcast) inputs, forward and backward. fp32 is held to fp32 tolerances stated at the check; bf16 is
-judged like every low-precision kernel (``lowp_ok``: no worse than PyTorch's own bf16 composition,
-``F.cross_entropy(F.linear(h, w))``, or one bf16 rounding of the exact result), plus, for the weight
-gradient on the CPU, one bf16 rounding per chunk (see the module's docstring: the fp32-output GEMM
-exists on CUDA only). Cases: ignored targets, every target ignored, label smoothing, N not a multiple
-of the chunk, hidden (B, T, D), a weight that needs no gradient, and a tied weight also used as an
-embedding (its gradient is the sum of both uses). The memory test measures, with a TorchDispatchMode,
-the bytes alive at each moment inside forward and backward: never anything of the size N x V.
+upcast) inputs, forward and backward. fp32 is held to fp32 tolerances stated at the check. In bf16 the
+loss is fp32 math on logits rounded to bf16 (as nn.Linear's are), so it is compared with the fp64 loss
+of those rounded logits; the gradients are judged like every low-precision kernel (``lowp_ok``'s rule:
+no worse than PyTorch's own bf16 composition, ``F.cross_entropy(F.linear(h, w))``, or one bf16 rounding
+of the exact result), plus the roundings this algorithm makes where PyTorch's does not, each bounded
+at the check. Cases: ignored targets, every target ignored, label smoothing, N not a multiple of the
+chunk, a chunk per row, hidden (B, T, D), a weight that needs no gradient, and a tied weight also used
+as an embedding (its gradient is the sum of both uses). The memory test measures, with a
+TorchDispatchMode, the bytes alive at each moment inside forward and backward: never a tensor larger
+than one chunk's logits, never as much as the (N, V) logits in all.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from minipar.kernels import linear_cross_entropy
 from minipar.kernels.linear_cross_entropy import default_chunk_rows
 from minipar.syncs import count_host_syncs
 
-from kernel_testing import INTERPRETING, interpreted, launched, lowp_ok, max_err, pytorch_path, run_interpreted
+from kernel_testing import INTERPRETING, interpreted, launched, max_err, pytorch_path, run_interpreted
 
 if INTERPRETING:
     # triton's own @jit functions (tl.zeros, ...) are bound to the interpreter or the compiler when first
