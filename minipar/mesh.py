@@ -127,9 +127,17 @@ class Mesh:
         """Groups of your own beyond the mesh's axes (a parameter server's servers and workers, ...):
         ``lists`` partition the world (every rank creates every group, in this order: a collective
         over the world); returns this rank's as an `AxisGroup` named ``name``, freed with the mesh.
-        ``backend``: the groups' own (default: the world's). Lists that do not partition the world
-        raise ValueError on every rank (all are given the same lists) before any group exists."""
-        if sorted(r for ranks in lists for r in ranks) != list(range(self.world_size)):
+        ``backend``: the groups' own (default: the world's).
+
+        First the ranks agree (one small all-gather over the host world): a name, lists or backend that
+        differ between ranks would create groups whose names do not match their members (torch pairs
+        the i-th ``new_group`` call of every rank), so they raise ValueError on every rank, as do lists
+        that do not partition the world; no group exists then."""
+        lists = _rank_lists_of(lists)
+        self.comm.check_same(f"Mesh.new_group({name!r}): the name, rank lists and backend", (name, lists, backend),
+                             self.host_world, where=self.where)
+        if not isinstance(lists, list) or \
+                sorted(r for ranks in lists for r in ranks) != list(range(self.world_size)):
             raise ValueError(f"new_group({name!r}): {lists} must hold every rank of the world (0 to "
                              f"{self.world_size - 1}) exactly once")
         mine = next(list(ranks) for ranks in lists if self.rank in ranks)
@@ -258,6 +266,17 @@ def init(dp: int | None = None, tp: int = 1, pp: int = 1, ep: int = 1, backend: 
                 port = s.getsockname()[1]
             dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     return Mesh(dp=dp, tp=tp, pp=pp, ep=ep, dp_shard=dp_shard, timeout=timeout, cp=cp)
+
+
+def _rank_lists_of(lists) -> list[list[int]] | str:
+    """``lists`` as plain lists of ints (ranks given as numpy or tensor scalars compare equal to
+    ints), or its repr when it is not a list of lists of integers: a stable, picklable description
+    for the agreement in `Mesh.new_group` that never raises, so every rank reaches the agreement."""
+    try:
+        out = [[r.__index__() for r in ranks] for ranks in lists]
+    except (TypeError, AttributeError):
+        return repr(lists)
+    return out
 
 
 def as_timeout(timeout: float | timedelta) -> timedelta:

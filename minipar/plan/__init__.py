@@ -42,6 +42,12 @@ class Layout:
     micro_batch: int = 1
     recompute: bool = False
 
+    def __post_init__(self) -> None:
+        for key in ("tp", "pp", "dp", "cp", "ep", "micro_batch"):
+            _positive_int(f"layout {key}", getattr(self, key))
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"layout strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}")
+
     @property
     def name(self) -> str:
         return (f"tp{self.tp}.pp{self.pp}.dp{self.dp}.cp{self.cp}.ep{self.ep}.{self.strategy}."
@@ -67,6 +73,51 @@ class Layout:
         if "tp" not in fields or "pp" not in fields or "dp" not in fields:
             raise ValueError(f"layout {name!r} must give tp, pp and dp (e.g. tp8.pp16.dp8.zero1)")
         return cls(**fields)
+
+
+def validate(model: ModelShape, cluster: Cluster, global_batch: int, top: int | None = None) -> None:
+    """ValueError naming the first input that makes no sense: a size that is not a positive integer,
+    a rate or memory that is not a positive finite number, an efficiency outside (0, 1], or options
+    that contradict each other (heads that do not divide the width, expert options without experts).
+    Without it the arithmetic runs on anyway and prints negative or infinite step times."""
+    for key in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq"):
+        _positive_int(f"model {key}", getattr(model, key))
+    for key in ("experts", "top_k", "moe_ffn", "shared_experts", "dense_layers"):
+        if isinstance(getattr(model, key), bool) or not isinstance(getattr(model, key), int) or getattr(model, key) < 0:
+            raise ValueError(f"model {key}={getattr(model, key)!r} must be an integer >= 0")
+    if model.hidden % model.heads:
+        raise ValueError(f"model hidden={model.hidden} must be divisible by heads={model.heads} (the head size)")
+    if model.kv_heads > model.heads or model.heads % model.kv_heads:
+        raise ValueError(f"model kv_heads={model.kv_heads} must divide heads={model.heads} (grouped-query attention)")
+    if model.experts:
+        if not 1 <= model.top_k <= model.experts or model.moe_ffn < 1:
+            raise ValueError(f"an MoE model (experts={model.experts}) needs 1 <= top_k <= experts (got "
+                             f"{model.top_k}) and moe_ffn >= 1 (got {model.moe_ffn})")
+        if model.dense_layers >= model.layers:
+            raise ValueError(f"dense_layers={model.dense_layers} leaves none of the {model.layers} layers MoE; "
+                             "give fewer dense layers, or experts=0 for a dense model")
+    else:
+        given = [f"{k}={getattr(model, k)}" for k in ("top_k", "moe_ffn", "shared_experts", "dense_layers")
+                 if getattr(model, k)]
+        if given:
+            raise ValueError(f"{', '.join(given)} describe experts, but the model has experts=0; give the "
+                             "number of experts (--experts), or leave the expert options out")
+    _positive_int("gpus_per_node", cluster.gpus_per_node)
+    _positive_int("nodes", cluster.nodes)
+    for key in ("memory", "peak_flops", "intra_bw", "inter_bw", "efficiency"):
+        value = getattr(cluster, key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            raise ValueError(f"cluster {key}={value!r} must be a finite number > 0")
+    if cluster.efficiency > 1:
+        raise ValueError(f"cluster efficiency={cluster.efficiency} is a share of peak: at most 1")
+    _positive_int("global batch", global_batch)
+    if top is not None:
+        _positive_int("top", top)
+
+
+def _positive_int(what: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{what}={value!r} must be a positive integer")
 
 
 def _dp(model: ModelShape, cluster: Cluster, lay: Layout) -> F.DataParallel:
@@ -105,7 +156,8 @@ def _link(axis: str, lay: Layout, cluster: Cluster) -> str:
 
 def evaluate(model: ModelShape, cluster: Cluster, global_batch: int, lay: Layout) -> dict:
     """Every prediction for one layout: memory per rank, traffic per axis and link, times. ``feasible``
-    False with ``why`` when it cannot run or does not fit."""
+    False with ``why`` when it cannot run or does not fit. ValueError for nonsense inputs (`validate`)."""
+    validate(model, cluster, global_batch)
     return _predict(model, cluster, global_batch, lay, _refusal(model, cluster, global_batch, lay))
 
 
@@ -233,9 +285,13 @@ def layouts(model: ModelShape, cluster: Cluster, global_batch: int) -> list[Layo
 def plan(model: ModelShape | str, cluster: Cluster | None = None, global_batch: int = 1024,
          top: int | None = None) -> dict:
     """{"layouts": the feasible layouts, fastest first (each `evaluate`'s dict), "model", "cluster",
-    "global_batch", "rejected": how many did not fit, "closest": the smallest infeasible one when none fits}."""
+    "global_batch", "rejected": how many did not fit, "closest": the smallest infeasible one when none fits}.
+    ValueError for nonsense inputs (`validate`)."""
+    if isinstance(model, str) and model not in MODELS:
+        raise ValueError(f"unknown model {model!r}; the presets are {', '.join(MODELS)}")
     model = MODELS[model] if isinstance(model, str) else model
     cluster = cluster or H100
+    validate(model, cluster, global_batch, top)
     # layouts() keeps only those _refusal lets through: predict them without asking it again
     results = [_predict(model, cluster, global_batch, lay, "") for lay in layouts(model, cluster, global_batch)]
     fits = sorted((r for r in results if r["fits"]), key=lambda r: (r["step_s"], r["memory"]["total"]))

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import replace
 
-from . import MEMORY_HEADROOM, Layout, evaluate, plan
+from . import MEMORY_HEADROOM, Layout, evaluate, plan, validate
 from .presets import H100, MODELS, ModelShape
 
 GIB = 2**30
@@ -25,19 +26,29 @@ FLAGS = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq", "expert
 
 
 def model_from(args) -> ModelShape:
+    """The model the arguments describe; ValueError when they contradict each other or miss a size."""
+    if args.model and args.config:
+        raise ValueError(f"--model {args.model} and --config {args.config} both describe the model: give one "
+                         "(flags such as --layers override either)")
     base = MODELS[args.model] if args.model else None
     fields = {}
     if args.config:
-        with open(args.config) as f:
-            cfg = json.load(f)
+        try:
+            with open(args.config) as f:
+                cfg = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"--config {args.config}: cannot read a JSON config ({e})") from None
+        if not isinstance(cfg, dict):
+            raise ValueError(f"--config {args.config}: a config.json is one JSON object, not {type(cfg).__name__}")
         fields = {ours: cfg[theirs] for theirs, ours in HF_KEYS.items() if cfg.get(theirs) is not None}
         fields.setdefault("kv_heads", fields.get("heads"))
     fields.update({k: getattr(args, k) for k in FLAGS if getattr(args, k) is not None})
     if base is None:
-        missing = [k for k in ("layers", "hidden", "heads", "ffn", "vocab", "seq") if k not in fields]
+        missing = [k for k in ("layers", "hidden", "heads", "ffn", "vocab", "seq") if fields.get(k) is None]
         if missing:
-            raise SystemExit(f"give --model (one of {', '.join(MODELS)}) or --config, or every one of "
-                             f"--{' --'.join(missing).replace('_', '-')}")
+            raise ValueError(f"give --model (one of {', '.join(MODELS)}) or --config, or every one of "
+                             f"--{' --'.join(missing).replace('_', '-')}"
+                             + (f" (missing from {args.config})" if args.config else ""))
         fields.setdefault("kv_heads", fields["heads"])
         return ModelShape(name=args.config or "custom", **fields)
     return replace(base, **fields)
@@ -60,27 +71,48 @@ def parse(argv=None):
     ap.add_argument("--top", type=int, default=10)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--explain", metavar="LAYOUT")
-    return ap.parse_args(argv)
+    return ap, ap.parse_args(argv)
 
 
 def main(argv=None) -> int:
-    args = parse(argv)
-    model = model_from(args)
-    if args.gpus % args.gpus_per_node and args.gpus > args.gpus_per_node:
-        raise SystemExit(f"--gpus {args.gpus} is not a multiple of --gpus-per-node {args.gpus_per_node}")
-    per_node = min(args.gpus, args.gpus_per_node)
-    cluster = replace(H100, name=f"{args.gpus} GPUs", gpus_per_node=per_node,
-                      nodes=args.gpus // per_node, memory=args.memory_gb * 1e9, peak_flops=args.peak_tflops * 1e12,
-                      intra_bw=args.intra_gbps * 1e9, inter_bw=args.inter_gbps * 1e9, efficiency=args.efficiency)
-    if args.explain:
-        print(explain(model, cluster, args.global_batch, Layout.parse(args.explain)))
-        return 0
+    """0 with layouts printed, 1 when none fits, 2 (argparse's usage error, message on stderr) for
+    inputs that make no sense: every size and rate is validated before any arithmetic."""
+    parser, args = parse(argv)
+    try:
+        model, cluster = inputs(args)
+        layout = Layout.parse(args.explain) if args.explain else None
+    except ValueError as e:
+        parser.error(str(e))  # exits 2
+    if layout is not None:
+        print(explain(model, cluster, args.global_batch, layout))
+        return 1 if evaluate(model, cluster, args.global_batch, layout)["why"] else 0
     result = plan(model, cluster, args.global_batch, top=args.top)
     if args.json:
         print(json.dumps(result, indent=1))
     else:
         print(table(result))
     return 0 if result["layouts"] else 1
+
+
+def inputs(args):
+    """(model, cluster) from the arguments; ValueError for any that make no sense (`validate`)."""
+    model = model_from(args)
+    if args.explain and args.json:
+        raise ValueError("--explain prints the arithmetic as text; leave out --json (or --explain)")
+    for flag in ("gpus", "gpus_per_node"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be at least 1")
+    for flag in ("memory_gb", "peak_tflops", "intra_gbps", "inter_gbps", "efficiency"):
+        if not 0 < getattr(args, flag) < math.inf:
+            raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be a finite number > 0")
+    if args.gpus % args.gpus_per_node and args.gpus > args.gpus_per_node:
+        raise ValueError(f"--gpus {args.gpus} is not a multiple of --gpus-per-node {args.gpus_per_node}")
+    per_node = min(args.gpus, args.gpus_per_node)
+    cluster = replace(H100, name=f"{args.gpus} GPUs", gpus_per_node=per_node,
+                      nodes=args.gpus // per_node, memory=args.memory_gb * 1e9, peak_flops=args.peak_tflops * 1e12,
+                      intra_bw=args.intra_gbps * 1e9, inter_bw=args.inter_gbps * 1e9, efficiency=args.efficiency)
+    validate(model, cluster, args.global_batch, args.top)
+    return model, cluster
 
 
 def table(result: dict) -> str:
