@@ -13,6 +13,7 @@ permute/unpermute and GELU.
 """
 
 from .activation import gelu, swiglu
+from .add_norm import add_layer_norm, add_rms_norm
 from .adamw import adamw_step_, fused_step, supports as adamw_supports
 from .cross_entropy import cross_entropy, row_stats, xent_grad
 from .dispatch import interpreting, launches, use_triton
@@ -22,5 +23,6 @@ from .permute import permute, unpermute
 from .scale_cast import scale_cast_
 
 __all__ = ["interpreting", "launches", "use_triton", "permute", "unpermute", "layer_norm", "rms_norm",
+           "add_layer_norm", "add_rms_norm",
            "cross_entropy", "row_stats", "xent_grad", "linear_cross_entropy", "gelu", "swiglu", "adamw_step_",
            "fused_step", "adamw_supports", "scale_cast_"]

@@ -122,13 +122,6 @@ def _rows(first_row, n_rows, ROWS: tl.constexpr, LONG: tl.constexpr):
 
 
 @triton.jit
-def _tile(rows, row_mask, D, start, BLOCK_D: tl.constexpr):
-    """Offsets [ROWS, BLOCK_D] of columns start.. of ``rows``, and the tile's mask."""
-    cols = start + tl.arange(0, BLOCK_D)
-    return rows[:, None] * D + cols[None, :], row_mask[:, None] & (cols < D)[None, :]
-
-
-@triton.jit
 def _load_input(x_ptr, delta_ptr, h_ptr, offs, mask, HAS_DELTA: tl.constexpr, STORE_H: tl.constexpr,
                 INTERPRETED: tl.constexpr):
     """The rows to normalise, in fp32: x, or h = x + delta rounded once to h's dtype (stored if STORE_H)."""
@@ -198,8 +191,11 @@ def _norm_fwd(x_ptr, delta_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, 
     first_row = tl.program_id(0) * ROWS
     y_ty = y_ptr.dtype.element_ty
     rows, row_mask = _rows(first_row, n_rows, ROWS, LONG)
-    offs, mask = _tile(rows, row_mask, D, 0, BLOCK_D)
+    row_offs = rows[:, None] * D  # [ROWS, 1]
     if SINGLE:
+        cols = tl.arange(0, BLOCK_D)[None, :]
+        offs = row_offs + cols
+        mask = row_mask[:, None] & (cols < D)
         x = _load_input(x_ptr, delta_ptr, h_ptr, offs, mask, HAS_DELTA, True, INTERPRETED)
         if IS_RMS:
             xc = x
@@ -213,7 +209,6 @@ def _norm_fwd(x_ptr, delta_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, 
             xc = xc - c[:, None]
         rstd = tl.rsqrt(var + eps)
         y = xc * rstd[:, None]
-        cols = tl.arange(0, BLOCK_D)[None, :]
         if HAS_W:
             y = y * tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
         if HAS_B:
@@ -226,27 +221,34 @@ def _norm_fwd(x_ptr, delta_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, 
         if not IS_RMS:
             acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
             for start in range(0, D, BLOCK_D):
-                offs, mask = _tile(rows, row_mask, D, start, BLOCK_D)
+                cols = start + tl.arange(0, BLOCK_D)[None, :]
+                offs = row_offs + cols
+                mask = row_mask[:, None] & (cols < D)
                 acc += _load_input(x_ptr, delta_ptr, h_ptr, offs, mask, HAS_DELTA, False, INTERPRETED)
             mu = tl.sum(acc, axis=1) / D
         acc_c = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
         acc_sq = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
         for start in range(0, D, BLOCK_D):
-            offs, mask = _tile(rows, row_mask, D, start, BLOCK_D)
-            x = _load_input(x_ptr, delta_ptr, h_ptr, offs, mask, HAS_DELTA, False, INTERPRETED)
-            xc = tl.where(mask, x - mu[:, None], 0.0)
+            cols = start + tl.arange(0, BLOCK_D)[None, :]
+            offs = row_offs + cols
+            mask = row_mask[:, None] & (cols < D)
+            xc = tl.where(mask, _load_input(x_ptr, delta_ptr, h_ptr, offs, mask, HAS_DELTA, False, INTERPRETED)
+                          - mu[:, None], 0.0)
             acc_c += xc
             acc_sq += xc * xc
-        sum_c, sum_sq = _sum2(acc_c, acc_sq, 1, INTERPRETED)
         c = tl.zeros([ROWS], dtype=tl.float32)
-        if not IS_RMS:
+        if IS_RMS:
+            sum_sq = tl.sum(acc_sq, axis=1)
+        else:
+            sum_c, sum_sq = _sum2(acc_c, acc_sq, 1, INTERPRETED)
             c = sum_c / D
         rstd = tl.rsqrt(sum_sq / D - c * c + eps)
         for start in range(0, D, BLOCK_D):
-            offs, mask = _tile(rows, row_mask, D, start, BLOCK_D)
+            cols = start + tl.arange(0, BLOCK_D)[None, :]
+            offs = row_offs + cols
+            mask = row_mask[:, None] & (cols < D)
             x = _load_input(x_ptr, delta_ptr, h_ptr, offs, mask, HAS_DELTA, True, INTERPRETED)
             y = (x - mu[:, None] - c[:, None]) * rstd[:, None]
-            cols = start + tl.arange(0, BLOCK_D)[None, :]
             if HAS_W:
                 y = y * tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
             if HAS_B:
@@ -337,14 +339,21 @@ def _norm_bwd(x_ptr, w_ptr, dy_ptr, dh_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_part_
         db_acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
         # Software pipelining by hand: tile t + G is loaded (in its storage
         # dtype) before tile t's reductions, so its latency hides behind them.
+        # Its rows and offsets are this tile's moved on by G tiles.
         rows, row_mask = _rows(pid * ROWS, n_rows, ROWS, LONG)
-        offs, mask = _tile(rows, row_mask, D, 0, BLOCK_D)
+        offs = rows[:, None] * D + cols[None, :]
+        mask = row_mask[:, None] & col_mask[None, :]
         x = tl.load(x_ptr + offs, mask=mask, other=0.0)
         dy = tl.load(dy_ptr + offs, mask=mask, other=0.0)
         mu, c, rstd = _row_stats(mean_ptr, rstd_ptr, rows, row_mask, n_rows, IS_RMS)
+        step = n_programs * ROWS
+        if LONG:
+            step = step.to(tl.int64)  # step * D passes 2**31 when the tensor does
         for tile in range(pid, n_tiles, n_programs):
-            n_rows_idx, n_row_mask = _rows((tile + n_programs) * ROWS, n_rows, ROWS, LONG)
-            n_offs, n_mask = _tile(n_rows_idx, n_row_mask, D, 0, BLOCK_D)
+            n_rows_idx = rows + step
+            n_row_mask = n_rows_idx < n_rows
+            n_offs = offs + step * D
+            n_mask = n_row_mask[:, None] & col_mask[None, :]
             n_x = tl.load(x_ptr + n_offs, mask=n_mask, other=0.0)
             n_dy = tl.load(dy_ptr + n_offs, mask=n_mask, other=0.0)
             n_mu, n_c, n_rstd = _row_stats(mean_ptr, rstd_ptr, n_rows_idx, n_row_mask, n_rows, IS_RMS)
@@ -364,7 +373,7 @@ def _norm_bwd(x_ptr, w_ptr, dy_ptr, dh_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_part_
             dw_acc += dyf * xhat
             db_acc += dyf
 
-            offs, mask, x, dy, mu, c, rstd = n_offs, n_mask, n_x, n_dy, n_mu, n_c, n_rstd
+            rows, offs, mask, x, dy, mu, c, rstd = n_rows_idx, n_offs, n_mask, n_x, n_dy, n_mu, n_c, n_rstd
         # this program's share of dw and db, written once to its own row of the partials
         if HAS_W:
             tl.store(dw_part_ptr + part_row + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
@@ -377,12 +386,14 @@ def _norm_bwd(x_ptr, w_ptr, dy_ptr, dh_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_part_
         # writes are involved.
         for tile in range(pid, n_tiles, n_programs):
             rows, row_mask = _rows(tile * ROWS, n_rows, ROWS, LONG)
+            row_offs = rows[:, None] * D
             mu, c, rstd = _row_stats(mean_ptr, rstd_ptr, rows, row_mask, n_rows, IS_RMS)
             acc_gx = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
             acc_g = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
             for start in range(0, D, BLOCK_D):
-                offs, mask = _tile(rows, row_mask, D, start, BLOCK_D)
                 cols = start + tl.arange(0, BLOCK_D)
+                offs = row_offs + cols[None, :]
+                mask = row_mask[:, None] & (cols < D)[None, :]
                 xhat = (tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
                         - mu[:, None] - c[:, None]) * rstd[:, None]
                 g = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -396,9 +407,10 @@ def _norm_bwd(x_ptr, w_ptr, dy_ptr, dh_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_part_
             if not IS_RMS:
                 mean_g = sum_g / D
             for start in range(0, D, BLOCK_D):
-                offs, mask = _tile(rows, row_mask, D, start, BLOCK_D)
                 cols = start + tl.arange(0, BLOCK_D)
                 col_mask = cols < D
+                offs = row_offs + cols[None, :]
+                mask = row_mask[:, None] & col_mask[None, :]
                 xhat = (tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
                         - mu[:, None] - c[:, None]) * rstd[:, None]
                 dyf = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
