@@ -16,7 +16,7 @@ walks the rows in chunks of ``chunk_rows`` and keeps nothing of the size N x V:
                                       and the gradient written OVER the logits, in place (z_c is this
                                       function's own buffer: nobody else can see it)
     dh_c = G_c W                      (a GEMM into rows c of the (N, D) result)
-    dW  += G_c^T h_c                  into an fp32 (V, D) buffer
+    dW  += G_c^T h_c                  a GEMM in the compute dtype, added into an fp32 (V, D) buffer
 
 then L = sum of the row losses / count (xent_mean_kernel; count by the same kernel before the loop).
 Backward only scales: dL/dh and dL/dW times the incoming scalar gradient (N x D and V x D: small next
@@ -24,20 +24,24 @@ to N x V), so nothing is recomputed. Saved for backward: dh (N, D) in the comput
 fp32 (each only if that input requires a gradient); never the logits.
 
 The weight gradient is accumulated in fp32, not in the compute dtype: a bf16 running sum would round
-every chunk's contribution into it (an error growing with the number of chunks, where the unchunked
-GEMM rounds once). On CUDA the accumulation is ``torch.addmm(dW, G_c^T, h_c, out_dtype=float32)``:
-cuBLAS reads the bf16/fp16 operands, accumulates in fp32 and adds into the fp32 buffer, so no chunk's
-contribution is rounded to the compute dtype and no fp32 copy of G_c exists. Elsewhere (CPU, the
-interpreter), where that overload is not implemented, the chunk's product is rounded once to the
-compute dtype and added into the fp32 buffer (one rounding per chunk, as many as the chunks); fp32
-compute uses ``addmm_`` in place.
+the whole sum again at every chunk (an error growing with the number of chunks, where the unchunked
+GEMM rounds once). Each chunk's G_c^T h_c is one GEMM in the compute dtype (fp32 accumulation inside
+the GEMM, its output rounded once to bf16/fp16), added into the fp32 buffer: one rounding per chunk's
+contribution, none of the running sum, and per chunk 2 V D bytes written and read back plus the 8 V D
+of the fp32 add. (Not ``addmm`` into the fp32 buffer: PyTorch's fp32-output GEMM for bf16 operands,
+``out_dtype=torch.float32``, wants its addend in the operands' dtype and exists on CUDA only; an fp32
+output GEMM plus the add would cost 4 V D more bytes per chunk to save roundings that the final cast of
+dW to the weight's dtype mostly repeats.) fp32 compute uses ``addmm_`` into the buffer in place.
 
-Memory: besides the saved gradients, one (chunk_rows, V) logits buffer in the compute dtype, reused
-by every chunk. The default `default_chunk_rows` = 4 D / element size makes that buffer the size of
-the fp32 weight gradient (4 V D bytes), so the extra memory is bounded by a function of V and D alone;
-it also makes each chunk's weight-gradient GEMM do 2 chunk_rows V D flops per 8 V D bytes of fp32
-accumulator traffic (D / 2 flops per byte in bf16: 512 at D = 1024, above a H100's balance point), so
-chunking costs little speed.
+Memory and speed: besides the saved gradients, one (chunk_rows, V) logits buffer in the compute dtype,
+reused by every chunk, and one (V, D) product in the compute dtype at a time. The default
+`default_chunk_rows` = 8 D / element size (4 D rows in bf16) makes the logits buffer 8 V D bytes, twice
+the fp32 weight gradient, so the extra memory is bounded by a function of V and D alone (at D = 1024,
+V = 50304: 393 MiB, against 1.5 GiB for bf16 logits of 16k tokens and twice that in fp32). The size is
+set by the weight gradient's fp32 accumulation: per chunk it moves 12 V D bytes (the product written and
+read back, the fp32 buffer read and written) beside the 2 chunk_rows V D flops of its GEMM, so the adds
+cost about 6 F / (B chunk_rows) of that GEMM's time (F / B: the GPU's flops per byte, ~300 on a H100):
+~40% at 4 D rows and D = 1024 (~15% of the chunk's three GEMMs), twice that at half the rows.
 
 PyTorch path (``use_triton`` false): the same chunked algorithm with torch ops in place of the kernel
 (``row_stats``/``xent_grad`` of ``cross_entropy``), so it saves the same memory on CPU; its per-chunk
@@ -82,9 +86,9 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
 
 
 def default_chunk_rows(vocab_size: int, hidden_size: int, element_size: int) -> int:
-    """Rows per chunk whose logits take 4 V D bytes, the fp32 weight gradient's size: 4 D / element_size
-    (2 D in bf16). ``vocab_size`` cancels out; it stays in the signature because the bound is in V D."""
-    return max(1, 4 * hidden_size // element_size)
+    """Rows per chunk whose logits take 8 V D bytes, twice the fp32 weight gradient: 8 D / element_size
+    (4 D in bf16; module docstring). ``vocab_size`` cancels out of the rows; the bytes are 8 V D."""
+    return max(1, 8 * hidden_size // element_size)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -116,11 +120,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
 
 def _add_weight_grad(grad_w: torch.Tensor, g: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    """grad_w (V, D) fp32 + g^T h for g (rows, V), h (rows, D) in the compute dtype (module docstring)."""
+    """grad_w (V, D) fp32 += g^T h for g (rows, V), h (rows, D) in the compute dtype (module docstring)."""
     if g.dtype == torch.float32:
         return grad_w.addmm_(g.t(), h)
-    if g.is_cuda:
-        return torch.addmm(grad_w, g.t(), h, out_dtype=torch.float32)
     return grad_w.add_(torch.mm(g.t(), h))
 
 
