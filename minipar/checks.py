@@ -166,17 +166,19 @@ def _shape(dims: list[int]) -> str:
 
 
 class SameUnits:
-    """ZeRO-3's guard against rank-dependent execution (a unit that only some ranks run).
+    """ZeRO-3's exchange before each of its collectives: what every rank is about to do.
 
     Every gather of a unit's parameters, and every reduce-scatter of its gradients, is a collective.
-    A rank that skips a unit, or runs units in another order, would pair them with another unit's
-    on the other ranks: a size mismatch deep in gloo, a hang, or, when the shapes agree, a silently
-    mixed model. So before each one the ranks of its group exchange what they are about to do (an
-    index into ``marks``, 8 bytes each, on a CPU group: no device sync) and compare; every forward
-    and every backward ends with a marker, so a rank with collectives left over meets the others'
-    end instead of waiting for them. A difference raises ValueError on every rank of the group (they
-    all see the same exchange). The collectives checked go to groups of their own (twins of the
-    shard axes), so nothing else can come between them.
+    A rank that skips a unit (a branch on its data), or runs units in another order, would pair its
+    collectives with another unit's on the other ranks: a size mismatch deep in gloo, a hang, or,
+    when the shapes agree, a silently mixed model. So before each one the ranks of its group
+    exchange what they are about to do (an index into ``marks``, 8 bytes each, on a CPU group: no
+    device sync); every forward and every backward ends with a marker, so a rank with collectives
+    left over meets the others' end instead of waiting for them. All ranks see the same exchange,
+    so they all take the same decision: `minipar.fsdp` serves the requests in one order when they
+    differ (``exchange``), and `agree` raises ValueError on every rank of the group where a
+    difference cannot be served. The collectives go to groups of their own (twins of the shard
+    axes), so nothing else can come between them.
     """
 
     END_OF_FORWARD, END_OF_BACKWARD = -1, -2
@@ -185,17 +187,25 @@ class SameUnits:
         self.mesh, self.marks = mesh, marks  # what each index means: "gathers unit 'layers.1'", ...
         self.groups = groups  # axis name -> the AxisGroup the exchange runs on
 
+    def exchange(self, mark: int, axis: str) -> list[int]:
+        """Every rank's ``mark`` in the ``axis`` group (this rank's alone in a group of one)."""
+        group = self.groups[axis]
+        if group.size == 1:
+            return [mark]
+        marks = torch.empty(group.size, dtype=torch.int64)
+        self.mesh.comm.all_gather(marks, torch.tensor([mark]), group, tag="unit_check")
+        return read_on_host(marks)  # a CPU group: host memory, no device sync
+
     def agree(self, mark: int, axes: list[str] | None = None) -> None:
-        """Exchange ``mark`` (an index into ``marks``, or an end marker) over ``axes`` (default: all)."""
+        """Exchange ``mark`` (an index into ``marks``, or an end marker) over ``axes`` (default: all);
+        ValueError on every rank unless all ranks gave the same."""
         for axis in dict.fromkeys(axes if axes is not None else self.groups):
-            group = self.groups[axis]
-            if group.size == 1:
-                continue
-            marks = torch.empty(group.size, dtype=torch.int64)
-            self.mesh.comm.all_gather(marks, torch.tensor([mark]), group, tag="unit_check")
-            marks = read_on_host(marks)  # a CPU group: host memory, no device sync
+            marks = self.exchange(mark, axis)
             if len(set(marks)) > 1:
-                raise ValueError(self._message(group, marks))
+                self.refuse(axis, marks)
+
+    def refuse(self, axis: str, marks: list[int]) -> None:
+        raise ValueError(self._message(self.groups[axis], marks))
 
     def _what(self, mark: int) -> str:
         if mark == self.END_OF_FORWARD:
@@ -208,8 +218,9 @@ class SameUnits:
         lines = [f"zero3: the ranks of a {group.name!r} group ran different units, so their gathers and "
                  "reduce-scatters no longer pair up. At this point:"]
         lines += [f"  rank {r} ({self.mesh.where(r)}) {self._what(m)}" for r, m in zip(group.ranks, marks)]
-        lines.append("Every rank must run the same zero3 units in the same order in each forward and backward. "
-                     "Run a skipped block on every rank (its output times zero keeps the result), give the "
-                     "block's parameters to a larger unit (wrap_policy), or use ddp, zero1 or zero2, which "
+        lines.append("zero3 serves units that only some ranks run when the units shard over one axis; with "
+                     "expert parameters (sharded over edp too) every rank must run the same units in the same "
+                     "order. Run a skipped block on every rank (its output times zero keeps the result), give "
+                     "the block's parameters to a larger unit (wrap_policy), or use ddp, zero1 or zero2, which "
                      "reduce an unused parameter's gradient as zero.")
         return "\n".join(lines)

@@ -237,10 +237,12 @@ class LaunchOrder:
     """
 
     def __init__(self, stagings: list, comm: Comm, window: int | None = 2,
-                 before_launch: Callable[[int], None] | None = None) -> None:
+                 before_launch: Callable[[int], bool] | None = None) -> None:
         self.stagings, self.comm = stagings, comm
         self.window = window
-        self.before_launch = before_launch  # called with a staging's index just before its launch
+        # called with a staging's index just before its launch; False holds it (and those after it)
+        # back until launch_rest (ZeRO-3 when the ranks' units differ: they all go out at the end)
+        self.before_launch = before_launch
         self.pool = StagingPool(keep=(window or 0) + 1)
         for staging in stagings:
             staging.pool = self.pool
@@ -253,23 +255,28 @@ class LaunchOrder:
 
     def launch_ready(self) -> None:
         while self._next < len(self.stagings) and self.stagings[self._next].complete:
-            self.launch_next()
+            if not self.launch_next():
+                break
 
-    def launch_next(self) -> None:
-        """Launch the next staging in the order, complete or not (missing gradients count as zero)."""
+    def launch_next(self) -> bool:
+        """Launch the next staging in the order, complete or not (missing gradients count as zero);
+        False when ``before_launch`` held it back."""
         staging = self.stagings[self._next]
-        if self.before_launch is not None:
-            self.before_launch(self._next)
+        if self.before_launch is not None and self.before_launch(self._next) is False:
+            return False
         staging.launch(self.comm)
         self._in_flight.append(staging)
         self._next += 1
         while self.window is not None and len(self._in_flight) > self.window:
             self._in_flight.pop(0).land()
+        return True
 
     def launch_rest(self) -> None:
         """Launch what is left, complete or not (missing gradients count as zero)."""
         while self._next < len(self.stagings):
-            self.launch_next()
+            if not self.launch_next():
+                raise RuntimeError("a reduce-scatter was held back at the end of backward, where every rank "
+                                   "launches the rest in order")
 
     def land_all(self) -> None:
         for staging in self._in_flight:

@@ -50,10 +50,11 @@ class DataParallelConfig:
     Offload(optimizer="cpu")): the ZeRO stages' (DDP computes in the parameters' own
     dtype: ZeRO-1 is DDP with fp32 masters); wrap_policy: how zero3 cuts units
     (`minipar.units.select_units`); reshard_after_forward: zero3 frees a unit after its forward
-    (default: yes without a pipeline, no under one); unit_check: zero3 checks, before each unit's
-    gathers, that every rank gathers the same unit (`minipar.checks.SameUnits`: a clear error
-    instead of a hang when execution differs between ranks; False saves one 8-byte exchange per
-    gather). ValueError names what to change."""
+    (default: yes without a pipeline, no under one); unit_check: zero3's ranks exchange, before each
+    unit's gathers and reduce-scatters, what they are about to do (`minipar.checks.SameUnits`), so
+    units that only some ranks run are served (`minipar.fsdp`) instead of hanging; False saves one
+    8-byte exchange per collective when every rank surely runs the same units. ValueError names
+    what to change."""
 
     strategy: str = "ddp"
     bucket_cap_mb: float = 25.0
