@@ -378,3 +378,20 @@ def test_compiles_whole_triton():
         got_slices = torch.compile(slices, backend="aot_eager", fullgraph=True)(logits, targets)
     for a, b in zip((*got, *got_slices), (*loss_and_grad(fn), *slices(logits, targets))):
         torch.testing.assert_close(a, b, rtol=0, atol=0)  # the same kernels on the same inputs
+
+
+def test_pytorch_path_compiles_whole():
+    """The PyTorch path under torch.compile (aot_eager, fullgraph): the CPU-only target check steps aside
+    while tracing (it reads a value), and the loss and gradient are the eager ones."""
+    logits, targets = make_case(dict(n=6, v=40, lead=2, scale=1.0, eps=0.1, ignored=0.3, ignore_index=-100,
+                                     dtype="fp32", strided=False, seed=14))
+    fn = lambda x, t: cross_entropy(x, t, label_smoothing=0.1)  # noqa: E731
+    results = []
+    with pytorch_path():
+        for run in (torch.compile(fn, backend="aot_eager", fullgraph=True), fn):
+            x = logits.clone().requires_grad_()
+            loss = run(x, targets)
+            loss.backward()
+            results.append((loss.detach(), x.grad))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b)

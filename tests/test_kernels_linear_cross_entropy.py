@@ -350,6 +350,23 @@ def test_int64_offsets_triton():
         check_lce(EXAMPLES[1])
 
 
+def test_pytorch_path_compiles_whole():
+    """The PyTorch path's chunk loop under torch.compile (aot_eager, fullgraph) gives the eager results."""
+    g = torch.Generator().manual_seed(9)
+    hidden, weight = torch.randn(2, 5, 8, generator=g), torch.randn(33, 8, generator=g)
+    targets = torch.randint(0, 33, (2, 5), generator=g)
+    fn = lambda h, w, t: linear_cross_entropy(h, w, t, chunk_rows=4)  # noqa: E731
+    results = []
+    with pytorch_path():
+        for run in (torch.compile(fn, backend="aot_eager", fullgraph=True), fn):
+            h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+            loss = run(h, w, targets)
+            loss.backward()
+            results.append((loss.detach(), h.grad, w.grad))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b)
+
+
 def test_rejects_mismatched_inputs():
     h, w, t = torch.randn(4, 8), torch.randn(10, 8), torch.randint(0, 10, (4,))
     with pytest.raises(ValueError, match="weight must be"):
