@@ -7,8 +7,10 @@ Every mode trains the same GPT (``minipar.models.GPT``, the same initial weights
 batches) in bf16 for ``--warmup`` untimed and ``--steps`` timed steps:
 
   minipar   ``ShardedModule`` on a world of one: ZeRO-1 with ``MixedPrecision(bf16, reduce fp32)``
-            (bf16 parameters, fp32 masters), minipar's Triton kernels (norms, GELU, the loss, the
-            fused AdamW step), flash attention through SDPA, ``train_step`` on host batches.
+            (bf16 parameters, fp32 masters), minipar's Triton kernels (norms with the residual add
+            fused in, GELU, the fused AdamW step), the LM head and the loss in row chunks
+            (``train_step`` without a loss function: the logits are never held), flash attention
+            through SDPA, ``train_step`` on host batches.
   torch     PyTorch's standard recipe on the same model: its own ops (``MINIPAR_KERNELS=torch``),
             fp32 parameters under ``torch.autocast(bfloat16)``, ``F.cross_entropy`` on the logits in fp32,
             ``torch.optim.AdamW(fused=True)``.
@@ -48,7 +50,7 @@ import torch.nn.functional as F
 
 import minipar
 from minipar import MixedPrecision, ShardedModule
-from minipar.models import GPT, GPTConfig, gpt_loss
+from minipar.models import GPT, GPTConfig
 from minipar.models.data import markov_batch
 from minipar.syncs import count_host_syncs
 
@@ -140,7 +142,7 @@ class Runner:
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
             else:
-                loss = self.model.train_step(x[:, :-1], x[:, 1:], gpt_loss)
+                loss = self.model.train_step(x[:, :-1], x[:, 1:])  # the GPT's own loss: head + loss in chunks
                 self.model.clip_grad_norm_(1.0)
             self.opt.step()
             self.opt.zero_grad()

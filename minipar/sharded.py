@@ -249,8 +249,15 @@ class ShardedModule(nn.Module):
         """Gradient accumulation: backward inside the block does not communicate."""
         return self.strategy.no_sync()
 
-    def train_step(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
+    def train_step(self, inputs: Any, targets: Any,
+                   loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> torch.Tensor:
         """Forward, loss, backward with gradient sync. Returns the global-batch loss, equal on every rank.
+
+        ``loss_fn(output, targets)`` gives the loss of the model's output (its ``.logits`` for a
+        Hugging Face output). Without it the model computes its own loss, ``model(inputs,
+        targets=targets)``: minipar's GPT then runs its LM head and the cross-entropy in row chunks
+        (`minipar.kernels.linear_cross_entropy`), never holding the logits. That needs the whole
+        model in each forward: with pipeline, tensor or context parallelism pass a ``loss_fn``.
 
         The batch is checked first, on every rank (`minipar.checks.check_batch`: ids and targets in
         the vocabulary, ``-100`` ignored; the sequence within the block size; the same shape on tp
@@ -262,7 +269,11 @@ class ShardedModule(nn.Module):
         """
         return self._train_step(inputs, targets, loss_fn)
 
-    def _train_step(self, inputs: Any, targets: Any, loss_fn: Callable, active: int = 1) -> torch.Tensor | None:
+    def _train_step(self, inputs: Any, targets: Any, loss_fn: Callable | None, active: int = 1) -> torch.Tensor | None:
+        if loss_fn is None and active == 1 and (self.pipeline is not None or self.context is not None or self.mesh.tp > 1):
+            raise ValueError("train_step without a loss_fn has the model compute its own loss from the whole "
+                             "model's forward, which pipeline, tensor and context parallelism split: pass a "
+                             "loss_fn (e.g. model.cross_entropy)")
         flags = check_batch(self.mesh, inputs, targets, self._vocab_size, self._block_size, active=active,
                             microbatches=self.pipeline.microbatches if self.pipeline is not None else 1,
                             seq_shards=self._seq_shards, seq_shards_why=self._seq_shards_why,
@@ -270,16 +281,21 @@ class ShardedModule(nn.Module):
         inputs, targets = to_device((inputs, targets), self.mesh.device)  # a host batch: checked there, for free
         if self.context is not None:  # each cp rank keeps its tokens; the loss is weighted to stay the mean
             inputs, targets, loss_fn = self.context.split(inputs, targets, loss_fn)
+        factor = 1.0
         if self._join is not None:  # uneven data (`minipar.join`): None once no rank trains any more
             if not any(f == 1 for f in flags):
                 return None
             self._join.record("train_step", inputs, targets, loss_fn)
             factor = Join.loss_factor(flags, self.mesh.group("dp").ranks, active)
-            if factor != 1.0:
-                loss_fn = scaled(loss_fn, factor)
         if self.pipeline is not None:
-            return self.pipeline.step(self.module, self.strategy, inputs, targets, loss_fn)
-        loss = loss_fn(logits_of(self(inputs)), targets)
+            return self.pipeline.step(self.module, self.strategy, inputs, targets,
+                                      scaled(loss_fn, factor) if factor != 1.0 else loss_fn)
+        if loss_fn is None:
+            loss = own_loss(self(inputs, targets=targets))
+        else:
+            loss = loss_fn(logits_of(self(inputs)), targets)
+        if factor != 1.0:
+            loss = loss * factor
         scaler = self.strategy.scaler
         (loss * scaler.scale if scaler.enabled else loss).backward()
         global_loss = loss.detach().float().reshape(1).clone()
@@ -379,6 +395,17 @@ class ShardedModule(nn.Module):
         single-process model's names (`minipar.full_state`)."""
         full = self.strategy.full_params()
         return full_tensors(self, lambda t: full.get(id(t), t))
+
+
+def own_loss(output: Any) -> torch.Tensor:
+    """The loss a model computed itself (``model(inputs, targets=targets)``): the output, or a Hugging
+    Face output's ``.loss``; ValueError, the same on every rank, when it is not a scalar tensor."""
+    loss = getattr(output, "loss", output)
+    if not (torch.is_tensor(loss) and loss.dim() == 0):
+        raise ValueError(f"train_step without a loss_fn needs a model whose forward(inputs, targets=targets) "
+                         f"returns its loss (minipar's GPT does); this one returned {type(output).__name__}: "
+                         "pass a loss_fn")
+    return loss
 
 
 def logits_of(output: Any) -> Any:

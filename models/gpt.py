@@ -12,7 +12,8 @@ keys instead of a learned position table).
 
 Norms, activations and the loss go through ``minipar.kernels``: fused Triton
 kernels on a GPU (or under ``TRITON_INTERPRET=1``), the PyTorch functions
-otherwise.
+otherwise. A block's residual add after attention and the norm before its MLP
+are one kernel (``ln_2(delta, residual=x)``).
 
 Initialisation is deterministic from ``GPTConfig.seed`` alone (its own
 generator, not the global RNG): every rank that builds ``GPT(config)`` holds
@@ -63,17 +64,31 @@ class GPTConfig:
 
 
 class LayerNorm(nn.LayerNorm):
-    """``nn.LayerNorm`` (same parameters and state dict) computed by ``minipar.kernels.layer_norm``."""
+    """``nn.LayerNorm`` (same parameters and state dict) computed by ``minipar.kernels.layer_norm``.
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.layer_norm(x, self.weight, self.bias, self.eps)
+    ``norm(x, residual=r)`` -> (h, norm(h)) with h = r + x: the residual add before a pre-norm fused
+    with the norm (``kernels.add_layer_norm``: one pass, one gradient written in backward)."""
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return kernels.layer_norm(x, self.weight, self.bias, self.eps)
+        if residual.dtype != x.dtype:  # under autocast the stream is fp32 and x bf16: the add promotes
+            h = residual + x
+            return h, kernels.layer_norm(h, self.weight, self.bias, self.eps)
+        return kernels.add_layer_norm(residual, x, self.weight, self.bias, self.eps)
 
 
 class RMSNorm(nn.RMSNorm):
-    """``nn.RMSNorm`` (same parameters and state dict) computed by ``minipar.kernels.rms_norm``."""
+    """``nn.RMSNorm`` (same parameters and state dict) computed by ``minipar.kernels.rms_norm``;
+    ``residual=`` as `LayerNorm`'s (``kernels.add_rms_norm``)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.rms_norm(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return kernels.rms_norm(x, self.weight, self.eps)
+        if residual.dtype != x.dtype:
+            h = residual + x
+            return h, kernels.rms_norm(h, self.weight, self.eps)
+        return kernels.add_rms_norm(residual, x, self.weight, self.eps)
 
 
 def make_norm(cfg: GPTConfig) -> nn.Module:
@@ -177,8 +192,9 @@ class Block(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.ln_1(x)))
-        return x + self.drop(self.mlp(self.ln_2(x)))
+        # the residual add after attention and the norm before the MLP, one kernel: h = x + attn, y = ln_2(h)
+        h, y = self.ln_2(self.drop(self.attn(self.ln_1(x))), residual=x)
+        return h + self.drop(self.mlp(y))
 
 
 class GPT(nn.Module):
@@ -245,8 +261,10 @@ class GPT(nn.Module):
                 std = resid_std if name.endswith(("o_proj.weight", "mlp.proj.weight")) else 0.02
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """idx: (batch, seq) token ids -> logits (batch, seq, vocab_size)."""
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """idx: (batch, seq) token ids -> logits (batch, seq, vocab_size); with ``targets`` (batch, seq)
+        the mean cross-entropy instead (-100 ignored), the LM head and the loss computed together in row
+        chunks (``kernels.linear_cross_entropy``): the logits are never held, in any dtype."""
         t = idx.shape[1]
         if t > self.config.block_size:
             raise ValueError(f"sequence length {t} exceeds block_size={self.config.block_size}")
@@ -256,7 +274,12 @@ class GPT(nn.Module):
         x = self.drop(x)
         for block in self.layers:
             x = block(x)
-        return self.lm_head(self.ln_f(x))
+        if targets is None:
+            return self.lm_head(self.ln_f(x))
+        if type(self.lm_head) is not nn.Linear:  # e.g. split over the vocabulary by tensor parallelism
+            raise ValueError(f"GPT.forward(idx, targets) computes the loss with the whole LM head; this one is a "
+                             f"{type(self.lm_head).__name__}: compute the logits and pass them to a loss function")
+        return kernels.linear_cross_entropy(self.ln_f(x), self.lm_head.weight, targets, ignore_index=-100)
 
 
 def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
