@@ -17,24 +17,27 @@ the two mean terms are those paths, projecting g off xhat and off the constant.)
 y is returned in x.dtype, and each gradient in its input's dtype; x may be
 non-contiguous (it is copied) and of any leading shape.
 
-Triton path (``norm_triton`` has the kernels and their layout). Forward: a
-row that fits one block (up to 8192 columns) is read once into registers,
-and its statistics and output come from that copy; narrow rows go several
-to a program. It saves per row the mean, as the unevaluated fp32 sum
-mu + c (a (2, rows) tensor), and rstd (rows,) for the backward. mu is the
-mean rounded to fp32, so every x - mu is off by that one rounding, an error
-rstd amplifies when |mu| is large against the spread. The kernel measures it
-as c = mean(x - mu) and uses x - mu - c, with var = mean((x - mu)^2) - c^2
-(the corrected two-pass algorithm): layer_norm stays at fp32 accuracy on such
-rows, where PyTorch's fp32 loses digits; the backward reuses mu and c as saved.
+Triton path (``norm_triton`` has the kernels; the launch shapes are chosen
+here, from the width, the dtype and the SM count: `launch_config`,
+`backward_config`). Forward: a row that fits one block (up to ``MAX_BLOCK_D``
+= 8192 columns) is read once into registers, and its statistics and output
+come from that copy; narrow rows go several to a program; warps follow the
+width (4 up to 2K columns, 8 at 4K, 16 from 8K). It saves per row the mean, as
+the unevaluated fp32 sum mu + c (a (2, rows) tensor), and rstd (rows,) for
+the backward. mu is the mean rounded to fp32, so every x - mu is off by that
+one rounding, an error rstd amplifies when |mu| is large against the spread.
+The kernel measures it as c = mean(x - mu) and uses x - mu - c, with
+var = mean((x - mu)^2) - c^2 (the corrected two-pass algorithm): layer_norm
+stays at fp32 accuracy on such rows, where PyTorch's fp32 loses digits; the
+backward reuses mu and c as saved, never recomputing them.
 
-Backward: a persistent grid (a few programs per SM) loops over the rows,
-loading the next rows while it reduces the current ones; each program keeps
-its rows' sums of dy xhat and dy in fp32 registers and writes them once, as
-its row of (programs, D) partial buffers; one more small kernel sums those
-over programs and writes dw and db in their own dtypes. No atomics, so the
-result is deterministic. Rows wider than one block loop over column blocks.
-Empty inputs launch nothing.
+Backward: a persistent grid (`programs_per_sm` programs per SM, registers
+capped so that they fit) loops over the rows, loading the next rows while it
+reduces the current ones; each program keeps its rows' sums of dy xhat and dy
+in fp32 registers and writes them once, as its row of (programs, D) fp32
+partial buffers; one more small kernel sums those over programs and writes dw
+and db in their own dtypes. No atomics, so the result is deterministic. Rows
+wider than one block loop over column blocks. Empty inputs launch nothing.
 
 Each launcher is a ``torch.library`` custom op (``minipar::norm_fwd``,
 ``minipar::add_norm_fwd``, ``minipar::norm_bwd``, with fake implementations
@@ -155,10 +158,10 @@ def norm_bwd(dy: torch.Tensor, dh: torch.Tensor | None, x: torch.Tensor, weight:
     dw = torch.empty(d if weight is not None else 0, dtype=x.dtype if weight is None else weight.dtype,
                      device=x.device)
     db = torch.empty(d if bias_dtype is not None else 0, dtype=bias_dtype or x.dtype, device=x.device)
-    if n_rows == 0:
+    if x.numel() == 0:
         return dx, dw.zero_(), db.zero_()
     tk = triton_module("norm_triton")
-    config = tk.backward_config(d, x.numel(), x.element_size())
+    config = backward_config(d, x.numel(), x.element_size())
     n_tiles = -(-n_rows // config["ROWS"])
     n_programs = min(n_tiles, _programs(x.device, config["num_warps"]))  # every program gets a tile
     has_w, has_b = weight is not None, bias_dtype is not None
@@ -177,7 +180,7 @@ def norm_bwd(dy: torch.Tensor, dh: torch.Tensor | None, x: torch.Tensor, weight:
         launch(tk.add_layer_norm_bwd_kernel, (n_programs,), x, w, dy, dh, mean, rstd, dx, dw_part, db_part, n_rows, d,
                HAS_W=has_w, HAS_B=has_b, **config)
     if has_w or has_b:
-        sum_config = tk.grad_sum_config(d, _sms(x.device))
+        sum_config = grad_sum_config(d, _sms(x.device))
         launch(tk.norm_grad_sum_kernel, (-(-d // sum_config["BLOCK_C"]),), dw_part, db_part, dw if has_w else x,
                db if has_b else x, n_programs, d, HAS_W=has_w, HAS_B=has_b, LONG=n_programs * d >= 2**31,
                **sum_config)
@@ -211,10 +214,10 @@ def _fwd_outputs(x: torch.Tensor, rms: bool) -> tuple[torch.Tensor, torch.Tensor
 def _launch_fwd(x, delta, h, weight, bias, y, mean, rstd, eps, rms) -> None:
     """The forward kernel for x (rows, D) (h = x + delta first when delta is given) into y, mean, rstd (and h)."""
     n_rows, d = x.shape
-    if n_rows == 0:
+    if x.numel() == 0:
         return
     tk = triton_module("norm_triton")
-    config = tk.config(d, x.numel())
+    config = launch_config(d, x.numel())
     grid = (-(-n_rows // config["ROWS"]),)
     w, b = _or_placeholder(weight, x), _or_placeholder(bias, x)
     has_w, has_b = weight is not None, bias is not None
@@ -235,12 +238,69 @@ def _or_placeholder(t: torch.Tensor | None, placeholder: torch.Tensor) -> torch.
     return placeholder if t is None else t.contiguous()
 
 
+# ----------------------------------------------------------------------------- launch shapes
+
+MAX_BLOCK_D = 8192  # the widest row held in one block; wider rows loop over column blocks
+TILE = 2048  # elements per program for narrow rows: ROWS = TILE // BLOCK_D rows (at most MAX_ROWS)
+MAX_ROWS = 64
+BWD_WARPS_PER_SM = 16  # the backward's resident warps per SM: 64K registers / (16 x 32 threads) = 128 each
+BWD_MAX_REGS = 65536 // (BWD_WARPS_PER_SM * 32)  # ptxas's cap (``maxnreg``), so that they all fit
+
+
+def block_for(d: int) -> int:
+    """Columns per block: the whole row (rounded up to a power of 2) up to ``MAX_BLOCK_D``."""
+    return min(MAX_BLOCK_D, 1 << max(0, d - 1).bit_length())
+
+
+def launch_config(d: int, n_elements: int) -> dict:
+    """The forward's launch shape for rows of ``d`` columns in a tensor of ``n_elements``: the kernels'
+    constexprs BLOCK_D, ROWS, SINGLE (the row fits one block), LONG (64-bit offsets) and ``num_warps``.
+
+    Warps follow the tile: 4 up to 2K elements, 8 at 4K, 16 from 8K, so a thread holds about 16
+    values of each tile-sized array (two 16-byte vectors of bf16) and several programs fit an SM.
+    """
+    block_d = block_for(d)
+    single = d <= block_d
+    rows = max(1, min(MAX_ROWS, TILE // block_d)) if single else 1
+    tile = rows * block_d
+    return dict(BLOCK_D=block_d, ROWS=rows, SINGLE=single, LONG=n_elements >= 2**31,
+                num_warps=4 if tile <= 2048 else 8 if tile <= 4096 else 16)
+
+
+def backward_config(d: int, n_elements: int, element_size: int) -> dict:
+    """`launch_config` for the backward: warps by the tile's bytes (as bf16's by its elements), capped
+    at 16, and registers capped at ``BWD_MAX_REGS`` (``maxnreg``).
+
+    A backward thread holds its share of w, of the dw and db sums and of two tiles of x and dy (the
+    current one and the prefetched next) in their storage dtype: at 16 bf16 values per array that is
+    ~150 registers uncapped, 128 capped without spills, so two 8-warp programs fit an SM. fp32
+    tiles take twice the registers, hence twice the warps; at 8K fp32 columns (16 warps, the
+    most that fits at 128 registers) a few spill.
+    """
+    cfg = launch_config(d, n_elements)
+    tile_bytes = cfg["ROWS"] * cfg["BLOCK_D"] * element_size
+    cfg["num_warps"] = 4 if tile_bytes <= 4096 else 8 if tile_bytes <= 8192 else 16
+    cfg["maxnreg"] = BWD_MAX_REGS
+    return cfg
+
+
+def programs_per_sm(num_warps: int) -> int:
+    """Resident backward programs per SM the persistent grid is sized for: ``BWD_WARPS_PER_SM`` warps."""
+    return max(1, BWD_WARPS_PER_SM // num_warps)
+
+
+def grad_sum_config(d: int, n_sm: int) -> dict:
+    """norm_grad_sum_kernel's tile, [BLOCK_P partials, BLOCK_C columns]: about one program per SM
+    (32 to 1024 columns each), 2048 elements a step."""
+    block_c = min(1024, max(32, 1 << max(0, -(-d // n_sm) - 1).bit_length()))
+    return dict(BLOCK_C=block_c, BLOCK_P=2048 // block_c, num_warps=4)
+
+
 def _programs(device: torch.device, num_warps: int) -> int:
-    """Programs in the persistent backward: as many as fit on the GPU at once (``norm_triton.programs_per_sm``
-    per SM); each loops over rows, and the partial buffers are (this, D)."""
-    if device.type != "cuda":
-        return 4  # the interpreter: few programs, so each loops over several rows, as on a GPU
-    return triton_module("norm_triton").programs_per_sm(num_warps) * _sms(device)
+    """Programs in the persistent backward: as many as fit on the GPU at once (`programs_per_sm` per SM);
+    each loops over rows, and the partial buffers are (this, D). Off a GPU (the interpreter) 4, so each
+    still loops over several rows."""
+    return programs_per_sm(num_warps) * _sms(device) if device.type == "cuda" else 4
 
 
 def _sms(device: torch.device) -> int:

@@ -1,34 +1,31 @@
-"""Triton kernels for ``minipar.kernels.norm`` and ``minipar.kernels.add_norm`` (imported at first use; see ``dispatch``).
+"""Triton kernels for ``minipar.kernels.norm`` and ``add_norm`` (imported at first use; see ``dispatch``).
 
 LayerNorm and RMSNorm share one body per direction: RMSNorm is LayerNorm with
 mu = 0 and no bias (constexpr ``IS_RMS``), and the residual add in front of
-either is the constexpr ``HAS_DELTA`` (forward) / ``HAS_DH`` (backward). The
-named ``*_kernel`` functions are thin entry points, so a profile (and
-``dispatch.launches``) tells the variants apart.
+either is ``HAS_DELTA`` (forward) / ``HAS_DH`` (backward). The ``*_kernel``
+functions are thin entry points, so a profile (and ``dispatch.launches``)
+tells the variants apart. The launchers in ``norm`` choose every launch shape.
 
-Tiles are 2-D, [ROWS, BLOCK_D]: a program normalises ROWS whole rows at once
-(several for narrow rows, so every program still moves a few KB). A row of up
-to ``MAX_BLOCK_D`` columns fits one block (``SINGLE``): it is loaded once into
-registers and its mean, variance and output all come from that copy, with the
-reductions of one pass fused into one multi-operand ``tl.reduce``. Wider rows
-loop over column blocks (three passes forward, two backward). `config` picks
-BLOCK_D, ROWS and the warps from the width alone.
+Tiles are 2-D, [ROWS, BLOCK_D]: a program normalises ROWS whole rows (several
+when rows are narrow). A row that fits one block (``SINGLE``, up to
+``norm.MAX_BLOCK_D`` columns) is loaded once into registers, and its mean,
+variance and output all come from that copy; the two sums of one pass share
+one two-operand ``tl.reduce`` (``_sum2``). Wider rows loop over column blocks
+(three passes forward, two backward).
 
-The backward is persistent: `backward_programs` programs (a small multiple of
-the SM count), each looping over row tiles pid, pid + G, ...; the next tile's
-loads are issued before the current tile's math, so a row's memory traffic
-overlaps the previous row's reductions. Each program keeps its share of dw
-and db in fp32 registers and writes it once, to its own row of a (G, D)
-partial buffer (wide rows: accumulated in that row in memory, which only this
-program touches); `norm_grad_sum_kernel` then sums the G partials per column
-in a fixed order and writes dw/db in the parameters' dtypes. No float
-atomics: the result is deterministic.
+The backward is persistent: G programs (a small multiple of the SM count)
+loop over row tiles pid, pid + G, ...; the next tile's loads are issued
+before the current tile's math, so its memory traffic overlaps the current
+reductions. Each program keeps its share of dw and db in fp32 registers and
+writes it once, to its own row of a (G, D) partial buffer (wide rows:
+accumulated in that row in memory, which only this program touches);
+`norm_grad_sum_kernel` sums the G partials per column in a fixed order and
+writes dw/db in the parameters' dtypes. No float atomics: deterministic.
 
-Offsets are 32-bit unless a tensor has 2**31 elements or more (constexpr
-``LONG``, set by the launcher). Loads upcast to fp32 (bf16 arithmetic is
-wrong under the interpreter, and the sums want fp32 anyway); low-precision
-stores go through ``round_to``. Scalars are cast to fp32 on entry, so a caller
-that passes fp64 (Inductor) adds no fp64 arithmetic.
+Offsets are 32-bit unless a tensor has 2**31 elements or more (``LONG``).
+Loads upcast to fp32 (bf16 arithmetic is wrong under the interpreter, and the
+sums want fp32 anyway); low-precision stores go through ``round_to``. Scalars
+are cast to fp32 on entry: a caller passing fp64 (Inductor) adds no fp64 math.
 """
 
 import triton
@@ -36,65 +33,8 @@ import triton.language as tl
 
 from .common_triton import round_to
 
-MAX_BLOCK_D = 8192  # the widest row held in one block; wider rows loop over column blocks
-TILE = 2048  # elements per program for narrow rows: ROWS = TILE // BLOCK_D rows (at most MAX_ROWS)
-MAX_ROWS = 64
-
-
-def block_for(d: int) -> int:
-    """Columns per block: the whole row up to ``MAX_BLOCK_D``."""
-    return min(MAX_BLOCK_D, triton.next_power_of_2(d))
-
-
-def config(d: int, n_elements: int) -> dict:
-    """The launch shape for rows of ``d`` columns in a tensor of ``n_elements``: the kernels' constexprs
-    BLOCK_D, ROWS, SINGLE (the row fits one block), LONG (64-bit offsets) and ``num_warps``.
-
-    Warps follow the tile: 4 up to 2K elements, 8 at 4K, 16 from 8K, so a thread holds about 16
-    values of each tile-sized array (two 16-byte vectors of bf16) and several programs fit an SM.
-    """
-    block_d = block_for(d)
-    single = d <= block_d
-    rows = max(1, min(MAX_ROWS, TILE // block_d)) if single else 1
-    tile = rows * block_d
-    return dict(BLOCK_D=block_d, ROWS=rows, SINGLE=single, LONG=n_elements >= 2**31,
-                num_warps=4 if tile <= 2048 else 8 if tile <= 4096 else 16)
-
-
-def grad_sum_config(d: int, n_sm: int) -> dict:
-    """norm_grad_sum_kernel's tile, [BLOCK_P partials, BLOCK_C columns]: about one program per SM
-    (32 to 1024 columns each), 2048 elements a step."""
-    block_c = min(1024, max(32, triton.next_power_of_2(-(-d // n_sm))))
-    return dict(BLOCK_C=block_c, BLOCK_P=2048 // block_c, num_warps=4)
-
-
-BWD_WARPS_PER_SM = 16  # the backward's resident warps per SM: 64K registers / (16 x 32 threads) = 128 each
-BWD_MAX_REGS = 65536 // (BWD_WARPS_PER_SM * 32)  # ptxas's cap (``maxnreg``), so that they all fit
-
-
-def backward_config(d: int, n_elements: int, element_size: int) -> dict:
-    """`config` for the backward: warps by the tile's bytes (as bf16's by its elements), capped at 16,
-    registers capped at ``BWD_MAX_REGS``.
-
-    A backward thread holds its share of w, of the dw and db sums and of two tiles of x and dy (the
-    current one and the prefetched next) in their storage dtype: at 16 bf16 values per array that is
-    ~150 registers uncapped, 128 capped without spills, so two 8-warp programs fit an SM. fp32
-    tiles take twice the registers, hence twice the warps; at 8K fp32 columns (16 warps, the
-    most that fits at 128 registers) a few spill.
-    """
-    cfg = config(d, n_elements)
-    tile_bytes = cfg["ROWS"] * cfg["BLOCK_D"] * element_size
-    cfg["num_warps"] = 4 if tile_bytes <= 4096 else 8 if tile_bytes <= 8192 else 16
-    cfg["maxnreg"] = BWD_MAX_REGS
-    return cfg
-
-
-def programs_per_sm(num_warps: int) -> int:
-    """Resident backward programs per SM the persistent grid is sized for: ``BWD_WARPS_PER_SM`` warps."""
-    return max(1, BWD_WARPS_PER_SM // num_warps)
-
-
 # ----------------------------------------------------------------------------- shared pieces
+
 
 @triton.jit
 def _add2(a0, a1, b0, b1):

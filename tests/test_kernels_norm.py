@@ -26,7 +26,6 @@ eager results through the kernels.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import math
 from unittest import mock
 
@@ -36,6 +35,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
 from minipar import kernels
+from minipar.kernels import norm
 from minipar.kernels.add_norm import add_layer_norm, add_rms_norm
 from minipar.kernels.norm import layer_norm, rms_norm
 
@@ -97,6 +97,14 @@ def _layer_norm_lowp(x, w, b):
     if all(p is None or p.dtype == x.dtype for p in (w, b)):
         return F.layer_norm(x, x.shape[-1:], w, b)
     return F.layer_norm(x.float(), x.shape[-1:], w, b).to(x.dtype)
+
+
+def _rms_lowp(x, w):
+    """The rms formula on a bf16/fp16 x, the yardstick as `_layer_norm_lowp`: in x's dtype, or with an fp32
+    weight in fp32 rounded once to x's dtype."""
+    if w is None or w.dtype == x.dtype:
+        return _rms_formula(x, w)
+    return _rms_formula(x.float(), w).to(x.dtype)
 
 
 def _fp64(fn, inputs, dy):
@@ -242,13 +250,12 @@ def test_rms_norm_bf16(lead, d, has_w, has_b, strided, seed, fp32_weights):
 @given(n_rows=st.integers(1, 9), d=st.integers(1, 70), rms=st.booleans(), seed=st.integers(0, 2**16))
 def test_rows_wider_than_a_block(n_rows, d, rms, seed):
     """With blocks of 16 columns, rows of any width loop over column blocks and still equal the reference."""
-    tk = kernels.dispatch.triton_module("norm_triton")
     x, w, b, dy = _inputs(torch.Generator().manual_seed(seed), (n_rows,), d, torch.float32, True, not rms,
                           torch.float32, False)
     fn, ref = ((lambda x, w, b: rms_norm(x, w), lambda x, w, b: _rms_formula(x, w)) if rms else
                (layer_norm, _layer_norm_ref))
-    with mock.patch.object(tk, "MAX_BLOCK_D", 16), _launched_both("rms_norm" if rms else "layer_norm", n_rows):
-        assert tk.block_for(d) <= 16
+    with mock.patch.object(norm, "MAX_BLOCK_D", 16), _launched_both("rms_norm" if rms else "layer_norm", n_rows):
+        assert norm.block_for(d) <= 16
         got = _run(fn, (x, w, b), dy)
     _assert_fp32(got, _fp64(ref, (x, w, b), dy), _rstd(x, not rms, 1e-6 if rms else 1e-5))
 
@@ -287,8 +294,7 @@ def test_rows_with_a_large_mean(d):
 def test_programs_loop_over_several_tiles(fn):
     """37 rows of 1000 columns: 19 tiles of 2 rows (the last one short) for the backward's 4 programs, so each
     program prefetches and carries its dw, db sums across several tiles; all results equal the reference."""
-    tk = kernels.dispatch.triton_module("norm_triton")
-    assert tk.backward_config(1000, 37 * 1000, 4)["ROWS"] == 2
+    assert norm.backward_config(1000, 37 * 1000, 4)["ROWS"] == 2
     g = torch.Generator().manual_seed(11)
     rms = "rms" in fn
     x, w, b, dy = _inputs(g, (37,), 1000, torch.float32, True, not rms, torch.float32, False)
@@ -423,8 +429,13 @@ def test_add_norm(lead, d, has_w, has_b, strided, seed, rms, dtype):
                 gt, r = gt.double() / rstd, r.double() / rstd
             torch.testing.assert_close(gt, r, rtol=1.3e-6, atol=1e-5)
         return
-    norm = (lambda h, w, b: _rms_formula(h, None if w is None else w.to(h.dtype))) if rms else _layer_norm_lowp
-    torch_lowp = _run_pair(lambda x, d, w, b: (x + d, norm(x + d, w, b)), (x, delta, w, b), (dh, dy))
+    lowp_norm = (lambda h, w, b: _rms_lowp(h, w)) if rms else _layer_norm_lowp
+
+    def composed(x, d, w, b):
+        h = x + d
+        return h, lowp_norm(h, w, b)
+
+    torch_lowp = _run_pair(composed, (x, delta, w, b), (dh, dy))
     dx_scale = _dx_scale(h, w, dy, rstd) + dh.float().abs().max().item() if h.numel() else 0.0
     scales = [None, dx_scale, dx_scale, None, None]
     for gt, t, r, scale in zip(got[1:], torch_lowp[1:], want[1:], scales):
@@ -436,11 +447,10 @@ def test_add_norm(lead, d, has_w, has_b, strided, seed, rms, dtype):
 def test_add_norm_unused_outputs_and_wide_rows(rms):
     """Rows wider than a block (16 columns here) loop; with only h used, x and delta get dh alone and the
     parameters nothing; with only y used, x and delta get the norm's gradient; the backward is deterministic."""
-    tk = kernels.dispatch.triton_module("norm_triton")
     g = torch.Generator().manual_seed(7)
     x, w, b, dy = _inputs(g, (5,), 37, torch.float32, True, not rms, torch.float32, False)
     delta, dh = torch.randn(5, 37, generator=g), torch.randn(5, 37, generator=g)
-    with mock.patch.object(tk, "MAX_BLOCK_D", 16), _launched_both(f"add_{'rms' if rms else 'layer'}_norm", 5):
+    with mock.patch.object(norm, "MAX_BLOCK_D", 16), _launched_both(f"add_{'rms' if rms else 'layer'}_norm", 5):
         got = _run_pair(_add_norm(rms), (x, delta, w, b), (dh, dy))
         again = _run_pair(_add_norm(rms), (x, delta, w, b), (dh, dy))
     assert all(torch.equal(a, c) for a, c in zip(got, again))  # the same code: bitwise the same, no atomics
@@ -514,20 +524,19 @@ def test_launch_shapes_follow_the_width():
     """Warps by width (4 below 2K columns, 8 at 4K, 16 from 8K; the backward by bytes, so fp32 gets twice
     bf16's), narrow rows several to a program, one block up to 8192 columns, 64-bit offsets only from
     2**31 elements, and the backward's registers capped so that its programs per SM fit."""
-    tk = importlib.import_module("minipar.kernels.norm_triton")
     n = 16384
     for d, warps, rows, block in [(1, 4, 64, 1), (100, 4, 16, 128), (768, 4, 2, 1024), (2048, 4, 1, 2048),
                                   (4096, 8, 1, 4096), (8192, 16, 1, 8192), (8193, 16, 1, 8192)]:
-        cfg = tk.config(d, n * d)
+        cfg = norm.launch_config(d, n * d)
         assert (cfg["num_warps"], cfg["ROWS"], cfg["BLOCK_D"], cfg["SINGLE"], cfg["LONG"]) == \
             (warps, rows, block, d <= 8192, False), d
-        assert tk.backward_config(d, n * d, 2)["num_warps"] == warps
-    assert tk.config(4096, 2**31)["LONG"] and not tk.config(4096, 2**31 - 1)["LONG"]
-    assert [tk.backward_config(d, n * d, 4)["num_warps"] for d in (1024, 2048, 4096, 8192)] == [8, 8, 16, 16]
+        assert norm.backward_config(d, n * d, 2)["num_warps"] == warps
+    assert norm.launch_config(4096, 2**31)["LONG"] and not norm.launch_config(4096, 2**31 - 1)["LONG"]
+    assert [norm.backward_config(d, n * d, 4)["num_warps"] for d in (1024, 2048, 4096, 8192)] == [8, 8, 16, 16]
     for warps in (4, 8, 16):
-        cfg = dict(tk.backward_config(4096, n * 4096, 2), num_warps=warps)
-        assert tk.programs_per_sm(warps) * warps * 32 * cfg["maxnreg"] <= 65536  # an H100/H200 SM's registers
-    assert tk.grad_sum_config(4096, 132)["BLOCK_C"] == 32  # 128 programs for 132 SMs
+        cfg = dict(norm.backward_config(4096, n * 4096, 2), num_warps=warps)
+        assert norm.programs_per_sm(warps) * warps * 32 * cfg["maxnreg"] <= 65536  # an H100/H200 SM's registers
+    assert norm.grad_sum_config(4096, 132)["BLOCK_C"] == 32  # 128 programs for 132 SMs
 
 
 def test_benchmark_shape_launches():
