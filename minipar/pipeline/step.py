@@ -10,6 +10,13 @@
     4. the loss every rank reports: the last stage's, summed over pp (the others add 0),
        averaged over dp.
 
+The loss of the step is the mean over the batch's counted targets (those not -100), as one process
+computes it on the whole batch: each micro-batch's loss (a mean over its own counted targets) is
+weighted by its share of them times m (`token_weighted`), not simply averaged over the m micro-batches,
+which would weigh a micro-batch with few counted targets as much as a full one. With no ignored
+target the weight is exactly 1. A micro-batch none of whose targets counts gets weight 0 and a finite
+loss (`minipar.context_parallel.finite_if_empty`), where its mean over no token would be NaN.
+
 The cost of (1)-(3) against overlapping the reduction with the last
 micro-batch's backward: the last backward's share of the step (1/m of the
 backward work) is no longer hidden behind communication.
@@ -23,6 +30,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn as nn
 
+from ..context_parallel import counted, finite_if_empty
 from ..mesh import Mesh
 from ..moe import moe_layers
 from ..strategy import Strategy
@@ -119,6 +127,8 @@ class Pipeline:
             layer.aux_scale = 1.0 / m
         act_shape = (inputs.shape[0] // m, inputs.shape[1] // self.seq_divisor, self.hidden)
         scale = strategy.scaler.scale if strategy.scaler.enabled else None
+        if stage.last:
+            loss_fn = token_weighted(loss_fn, targets, m)
         stage_loss = loss_fn if scale is None else (lambda out, y: loss_fn(out, y) * scale)  # fp16: scaled backward
         # What the tied weight's gradient held before this step (DDP keeps an earlier step's reduced
         # sum there until zero_grad; the others moved it into their shards): only what comes now is summed.
@@ -138,3 +148,19 @@ class Pipeline:
         group = mesh.group(mesh.grad_axis)
         mesh.comm.all_reduce(loss, group, tag="loss")
         return loss.div_(group.size)[0]
+
+
+def token_weighted(loss_fn: Callable[[Any, Any], torch.Tensor], targets: Any, m: int) -> Callable:
+    """``loss_fn`` for one of the m micro-batches of ``targets``, weighted by m times its share of the
+    batch's counted targets: the executor's sum of loss / m over the micro-batches is then the mean
+    over every counted target of the batch, one process's loss. Targets that are not integer ids
+    (nothing is ignored there) leave ``loss_fn`` as it is."""
+    if not torch.is_tensor(targets) or targets.is_floating_point():
+        return loss_fn
+    total = counted(targets)
+    some = total > 0
+
+    def weighted(out, y):
+        share = counted(y) * m / total.clamp(min=1.0)  # exactly 1 when nothing is ignored
+        return loss_fn(out, finite_if_empty(y, some.to(y.device))) * share.to(y.device)
+    return weighted
