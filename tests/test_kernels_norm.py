@@ -516,8 +516,10 @@ def test_norms_inside_torch_compile():
         for name in names:
             stack.enter_context(launched(name))
         got = _run(compiled, inputs, torch.tensor(1.0))
+    # The same kernels on the same inputs; the torch ops between them may be decomposed or reordered by
+    # AOT autograd, so the loss and gradients are held to fp32 tolerance, not bitwise.
     for gt, r in zip(got, want):
-        torch.testing.assert_close(gt, r, rtol=0, atol=0)  # the same kernels on the same inputs
+        torch.testing.assert_close(gt, r)
 
 
 def test_launch_shapes_follow_the_width():
