@@ -38,22 +38,20 @@ Like ZeRO-1/2, a parameter without a gradient gets a zero gradient.
 
 Units that only some ranks run (a branch on the data, a head only some ranks'
 losses use). Gathers and reduce-scatters go to twin groups of the shard axes,
-and before each one the ranks exchange what they are about to do
-(`minipar.checks.SameUnits`, 8 bytes on a CPU group). When the requests differ,
-every rank takes part in the gather that comes first in the phase's order (the
-lowest unit index in forward, the highest in backward) and asks again until its
-own was served (`_agree_gather`): a rank may gather a unit it never runs (held
-until the phase ends), but each gather happens once, as when every rank runs
-every unit. Once the ranks' units differed in a backward, its reduce-scatters
-wait for its end, where every rank sends them in the fixed order, zeros for the
-units it did not run: the same bytes, no overlap with backward for that step.
-With expert parameters (sharded over edp as well) such steps are refused with a
-ValueError on every rank; with ``unit_check=False`` (no exchange) every rank
-must run the same units in the same order.
+and before each one the ranks exchange what they are about to do; when they
+differ they take turns (`minipar.unit_turns`): a rank may gather a unit it
+never runs, but each gather happens once, as when every rank runs every unit,
+and such a backward's reduce-scatters wait for its end, where every rank sends
+them in the fixed order, zeros for the units it did not run: the same bytes, no
+overlap with backward for that step. With expert parameters (sharded over edp
+as well) such steps are refused with a ValueError on every rank; with
+``unit_check=False`` (no exchange) every rank must run the same units in the
+same order.
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from dataclasses import dataclass, field
 from enum import Enum
@@ -64,13 +62,13 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
-from .checks import SameUnits
 from .flat import FlatLayout, ShardGroup
 from .grad_buckets import EndOfBackward, GradStaging, LaunchOrder, adopt, owner
 from .mesh import Mesh
 from .precision import MixedPrecision
 from .offload import Offload
 from .sharded_optim import GradState, ShardedState, make_master
+from .unit_turns import UnitTurns
 from .units import assign_params, select_units
 
 class UnitState(Enum):
@@ -140,9 +138,9 @@ class Zero3(ShardedState):
         self._rs_order = [u for u in reversed(self.units) if not u.is_root] + [u for u in self.units if u.is_root]
         stagings = [(u, part) for u in self._rs_order for part in u.parts]
         self.order = LaunchOrder([part.grads for _, part in stagings], self.comm, before_launch=self._check_reduce)
-        # ZeRO-3's gathers and reduce-scatters go to twins of the shard axes, each checked first
-        # (`SameUnits`: rank-dependent execution is an error on every rank, never a hang or a mixed
-        # model). Every rank creates every twin (creating groups is collective).
+        # ZeRO-3's gathers and reduce-scatters go to twins of the shard axes, each agreed on first
+        # (`UnitTurns`: rank-dependent execution is served or refused on every rank, never a hang or a
+        # mixed model). Every rank creates every twin (creating groups is collective).
         axes = (mesh.shard_axis, "edp")
         self._twin = {a: mesh.twin(a) for a in axes}
         for _, part in stagings:
@@ -151,16 +149,11 @@ class Zero3(ShardedState):
         cpu = None if dist.get_backend() == "gloo" else "gloo"
         marks = [f"gathers unit {u.name!r}" for u in self.units]
         marks += [f"reduce-scatters the gradients of unit {u.name!r}" for u, _ in stagings]
-        self.same_units = SameUnits(mesh, marks, {a: mesh.twin(a, cpu) for a in axes}) if unit_check else None
-        # Units that only some ranks run (a branch on the data) are served on the one shard axis with
-        # more than one rank (`_agree_gather`); with two such axes (experts over edp too) they are refused.
+        # Units that only some ranks run are served where one shard axis has more than one rank.
         live = [a for a in dict.fromkeys(part.group.axis.name for u in self.units for part in u.parts)
                 if mesh.group(a).size > 1]
-        self._axis = live[0] if len(live) == 1 else None
-        self._multi_axis = len(live) > 1
-        self._phase = "forward"    # the exchanges' phase: its order serves the unit gathered first
-        self._diverged = False     # this phase's ranks asked for different things (they all know at once)
-        self._draining = False     # end of backward: the reduce-scatters left go out in the fixed order
+        self.turns = UnitTurns(mesh, marks, {a: mesh.twin(a, cpu) for a in axes}, len(self.units), live,
+                               gather=lambda k: self._gather_unit(self.units[k], async_op=False)) if unit_check else None
         self._fwd_order: list[Unit] = []
         self._last_fwd_order: list[Unit] = []
         self.end_of_backward = EndOfBackward(self._finish_backward)
@@ -200,7 +193,8 @@ class Zero3(ShardedState):
             u.state = UnitState.FULL
         if u.state is not UnitState.SHARDED:
             return
-        self._agree_gather(u)
+        if self.turns is not None:  # (this rank may first take part in the gathers of other ranks' units)
+            self.turns.before_gather(self.units.index(u), [part.group.axis.name for part in u.parts])
         self._gather_unit(u, async_op)
 
     def _gather_unit(self, u: Unit, async_op: bool) -> None:
@@ -219,52 +213,6 @@ class Zero3(ShardedState):
             self._land(u)
             u.state = UnitState.FULL
 
-    # -- the ranks agree on every collective: units that only some ranks run ------------------------
-
-    def _agree_gather(self, u: Unit) -> None:
-        """Before gathering ``u``, the ranks exchange what they are about to gather. When they differ
-        (a unit that only some ranks run), every rank takes part in the gather that comes first in
-        this phase's order (the lowest unit index in forward, the highest in backward), and a rank
-        whose unit was not that one asks again: every rank issues the same gathers in the same order,
-        a rank holds a unit gathered for another until the phase ends, and no rank waits for ever
-        (each exchange serves at least one request; a rank that has ended its phase keeps serving)."""
-        if self.same_units is None:
-            return
-        mine = self.units.index(u)
-        if self._axis is None:
-            self.same_units.agree(mine, [part.group.axis.name for part in u.parts])
-            return
-        while not self._serve(self.same_units.exchange(mine, self._axis), mine):
-            pass
-
-    def _serve(self, ops: list[int], mine: int) -> bool:
-        """Given every rank's request: True when this rank's own gather (``mine``) is the one to issue
-        now; else issue the one that is (if any rank asked for a gather) and return False."""
-        if len(set(ops)) == 1:
-            return True
-        if self._multi_axis:
-            self.same_units.refuse(self._axis, ops)
-        self._diverged = True
-        gathers = [op for op in ops if 0 <= op < len(self.units)]  # (not reduce-scatters, not end markers)
-        if not gathers:
-            return False
-        target = min(gathers) if self._phase == "forward" else max(gathers)
-        if target == mine:
-            return True
-        self._gather_unit(self.units[target], async_op=False)
-        return False
-
-    def _end_phase(self, mark: int) -> None:
-        """The end of a forward or backward: exchange ``mark`` until every rank has reached it, serving
-        the gathers the others still ask for."""
-        if self.same_units is None:
-            return
-        if self._axis is None:
-            self.same_units.agree(mark)
-            return
-        while not self._serve(self.same_units.exchange(mark, self._axis), mark):
-            pass
-
     @staticmethod
     def _land(u: Unit) -> None:
         for work in u.works:
@@ -280,7 +228,8 @@ class Zero3(ShardedState):
     # -- forward -------------------------------------------------------------------
 
     def _root_pre_forward(self, module, args) -> None:
-        self._phase, self._diverged = "forward", False
+        if self.turns is not None:
+            self.turns.start("forward")
         self._last_fwd_order, self._fwd_order = self._fwd_order or self._last_fwd_order, []
         if self._root is not None:
             self.unshard(self._root)
@@ -288,12 +237,13 @@ class Zero3(ShardedState):
             self.unshard(self._last_fwd_order[0], async_op=True)
 
     def _root_post_forward(self, module, args, output) -> None:
-        self._end_phase(SameUnits.END_OF_FORWARD)
-        if self._diverged and self.reshard_after_forward:  # units gathered for other ranks, never run here
-            for u in self.units:
-                if not u.is_root and u.state is not UnitState.SHARDED:
-                    self.reshard(u)
-        self._phase, self._diverged = "backward", False
+        if self.turns is not None:
+            self.turns.end_phase(UnitTurns.END_OF_FORWARD)
+            if self.turns.diverged and self.reshard_after_forward:  # units gathered for other ranks' turns
+                for u in self.units:
+                    if not u.is_root and u.state is not UnitState.SHARDED:
+                        self.reshard(u)
+            self.turns.start("backward")
         if self._root is not None:
             self._hook_outputs(self._root, output)
 
@@ -368,24 +318,8 @@ class Zero3(ShardedState):
         return hook
 
     def _check_reduce(self, i: int) -> bool:
-        """Before the reduce-scatter of staging ``i``: launch it now (True) if every rank is about to;
-        once the ranks' units differed in this backward, every reduce-scatter waits for its end, where
-        they all go out in the fixed order (a rank that did not run a unit sends zeros for it)."""
-        if self.same_units is None or self._draining:
-            return True
-        axis, mark = self._staging_axes[i], len(self.units) + i
-        if self._axis is None:  # several live shard axes (or none): every rank must launch the same one
-            self.same_units.agree(mark, [axis])
-            return True
-        if axis != self._axis:  # a group of one rank: nothing to pair
-            return True
-        if self._diverged:
-            return False
-        ops = self.same_units.exchange(mark, self._axis)
-        if len(set(ops)) == 1:
-            return True
-        self._serve(ops, mark)
-        return False
+        """Before staging ``i``'s reduce-scatter: may it go out now (`UnitTurns.before_reduce`)?"""
+        return self.turns is None or self.turns.before_reduce(i, self._staging_axes[i])
 
     def _post_backward(self, u: Unit) -> None:
         if not u.is_root and self._reshards_now():
@@ -399,13 +333,13 @@ class Zero3(ShardedState):
 
     @torch.no_grad()
     def _finish_backward(self) -> None:
-        self._end_phase(SameUnits.END_OF_BACKWARD)
+        draining = contextlib.nullcontext()
+        if self.turns is not None:
+            self.turns.end_phase(UnitTurns.END_OF_BACKWARD)
+            draining = self.turns.draining()  # every rank is here: what is left goes out in the fixed order
         if self._sync:
-            self._draining = True  # every rank is here: what is left goes out in the fixed order
-            try:
+            with draining:
                 self.order.finish()
-            finally:
-                self._draining = False
         for u in self._rs_order:
             u.backward_started, u.received = False, 0
             if self._reshards_now():
@@ -417,17 +351,14 @@ class Zero3(ShardedState):
         order, then reshard every unit."""
         if self.grad_state is not GradState.LOCAL:
             return
-        self._draining = True  # every rank is here, and reduces every unit in the fixed order
-        try:
-            for u in self._rs_order:
+        with self.turns.draining() if self.turns is not None else contextlib.nullcontext():
+            for u in self._rs_order:  # every rank is here, and reduces every unit in the fixed order
                 for part in u.parts:
                     for i, p in enumerate(part.grads.params):
                         if p.grad is not None:
                             part.grads.take(i)
                     self.order.launch_next()  # a parameter that got no gradient contributes zero
             self.order.finish()
-        finally:
-            self._draining = False
         for u in self.units:
             self.reshard(u)
         self.grad_state = GradState.REDUCED

@@ -26,10 +26,8 @@ import torch.nn as nn
 from torch.utils._pytree import tree_map
 
 from . import kernels
-from .ddp import DataParallel
 from .checks import agree_on_model, broadcast_initial_state, check_batch
 from .context_parallel import ContextParallel, check_form
-from .fsdp import Zero3
 from .units import select_units
 from .full_state import full_tensors
 from .grad_norm import clip_
@@ -42,59 +40,10 @@ from .pipeline import Stage, default_boundaries, resolve_boundaries, spec_for
 from .pipeline.spec import find
 from .pipeline.step import Pipeline, PipelineConfig
 from .precision import FP32
+from .config import build_strategy, resolve_configs
 from .strategy import DataParallelConfig, Strategy
 from .syncs import to_device
 from .tensor_parallel import TensorParallelConfig, check_plan, mark_sequence_parallel, parallelize, vocab_parallel_cross_entropy
-from .zero import Zero1, Zero2
-
-# The flat keyword arguments ShardedModule also takes, and the config each belongs to (and its field).
-_FLAT_OPTIONS = {
-    "bucket_cap_mb": ("strategy", "bucket_cap_mb"), "mixed_precision": ("strategy", "mixed_precision"),
-    "cpu_offload": ("strategy", "cpu_offload"), "offload": ("strategy", "offload"),
-    "wrap_policy": ("strategy", "wrap_policy"),
-    "reshard_after_forward": ("strategy", "reshard_after_forward"),
-    "unit_check": ("strategy", "unit_check"),
-    "tp_plan": ("tensor_parallel", "plan"), "sequence_parallel": ("tensor_parallel", "sequence_parallel"),
-    "dropout_seed": ("tensor_parallel", "dropout_seed"),
-    "schedule": ("pipeline", "schedule"), "microbatches": ("pipeline", "microbatches"),
-    "pipeline_boundaries": ("pipeline", "boundaries"), "record_timeline": ("pipeline", "record_timeline"),
-    "stage_spec": ("pipeline", "stage_spec"), "virtual_stages": ("pipeline", "virtual_stages"),
-}
-_CONFIGS = {"strategy": DataParallelConfig, "tensor_parallel": TensorParallelConfig, "pipeline": PipelineConfig}
-
-
-def resolve_configs(strategy: str | DataParallelConfig, tensor_parallel: TensorParallelConfig | None,
-                    pipeline: PipelineConfig | None, flat: dict[str, Any]):
-    """The three configs from config objects and/or the flat keyword arguments (each config built,
-    and so validated, by its own class). Mixing a config object with its own flat keywords raises."""
-    given = {"strategy": strategy if isinstance(strategy, DataParallelConfig) else None,
-             "tensor_parallel": tensor_parallel, "pipeline": pipeline}
-    fields: dict[str, dict[str, Any]] = {k: {} for k in _CONFIGS}
-    if not isinstance(strategy, DataParallelConfig):
-        fields["strategy"]["strategy"] = strategy
-    for key, value in flat.items():
-        if key not in _FLAT_OPTIONS:
-            raise ValueError(f"ShardedModule got an unknown option {key!r}; the options are strategy, "
-                             f"tensor_parallel, pipeline, activation_checkpointing, {', '.join(_FLAT_OPTIONS)}")
-        owner, field = _FLAT_OPTIONS[key]
-        if given[owner] is not None:
-            raise ValueError(f"{key}= is part of {owner}={type(given[owner]).__name__}(...): pass it there, "
-                             "not both")
-        fields[owner][field] = value
-    return tuple(given[k] if given[k] is not None else _CONFIGS[k](**fields[k]) for k in _CONFIGS)
-
-
-def build_strategy(config: DataParallelConfig, module: nn.Module, mesh: Mesh, reshard_after_forward: bool) -> Strategy:
-    """The data-parallel strategy of ``config`` over ``module``'s (tensor-/expert-parallel local) parameters."""
-    policy = config.mixed_precision or FP32
-    if not config.sharded:
-        return DataParallel(module, mesh, bucket_cap_mb=config.bucket_cap_mb)
-    if config.zero3:
-        return Zero3(module, mesh, policy, config.offload, config.wrap_policy, reshard_after_forward,
-                     config.unit_check)
-    stage = {"zero1": Zero1, "zero2": Zero2}[config.strategy]
-    return stage(module, mesh, policy, config.offload, config.bucket_cap_mb)
-
 
 class ShardedModule(nn.Module):
     """Wrap ``module`` for training over ``mesh``: tensor parallelism on the tp axis (when tp > 1),

@@ -51,7 +51,7 @@ class DataParallelConfig:
     dtype: ZeRO-1 is DDP with fp32 masters); wrap_policy: how zero3 cuts units
     (`minipar.units.select_units`); reshard_after_forward: zero3 frees a unit after its forward
     (default: yes without a pipeline, no under one); unit_check: zero3's ranks exchange, before each
-    unit's gathers and reduce-scatters, what they are about to do (`minipar.checks.SameUnits`), so
+    unit's gathers and reduce-scatters, what they are about to do (`minipar.unit_turns`), so
     units that only some ranks run are served (`minipar.fsdp`) instead of hanging; False saves one
     8-byte exchange per collective when every rank surely runs the same units. ValueError names
     what to change."""

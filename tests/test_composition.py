@@ -39,7 +39,7 @@ from minipar import DataParallelConfig, Mesh, MixedPrecision, PipelineConfig, Sh
 from minipar.models import GPT, GPTConfig, MoEGPT, MoEGPTConfig, gpt_loss
 
 from minipar.ring_attention import zigzag_positions
-from minipar.sharded import resolve_configs
+from minipar.config import resolve_configs
 
 from helpers import LR, WD, train_rows
 
