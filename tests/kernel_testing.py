@@ -44,6 +44,12 @@ from minipar import kernels
 
 INTERPRETING = kernels.interpreting()
 ON_GPU = os.environ.get("MINIPAR_TEST_DEVICE") == "cuda"
+if INTERPRETING:
+    # Define every kernel for the interpreter now: triton fixes the choice when a @triton.jit function is
+    # defined, and a test's `pytorch_path` block (TRITON_INTERPRET=0 inside) must never be the first to.
+    import importlib
+    for _module in sorted(pathlib.Path(kernels.__file__).parent.glob("*_triton.py")):
+        importlib.import_module(f"minipar.kernels.{_module.stem}")
 if ON_GPU and not torch.cuda.is_available():
     raise RuntimeError("MINIPAR_TEST_DEVICE=cuda, but torch sees no GPU: unset it to test on the CPU")
 _ONLY_THERE = pytest.mark.skipif(not (INTERPRETING or ON_GPU),
