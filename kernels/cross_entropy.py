@@ -56,7 +56,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from .dispatch import interpreting, launch, triton_module, use_triton
+from .dispatch import launch, triton_module, use_triton
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
@@ -77,7 +77,7 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int
 def check_targets(like: torch.Tensor, flat_targets: torch.Tensor, v: int, ignore_index: int) -> None:
     """IndexError for a target outside [0, v) that is not ignore_index, where it is free: on CPU tensors on
     the PyTorch path, outside torch.compile (on a GPU the check would make the host wait for the device)."""
-    if like.is_cuda or interpreting() or torch.compiler.is_compiling():
+    if like.is_cuda or use_triton(like) or torch.compiler.is_compiling():  # (the interpreter stands for a GPU)
         return
     bad = (flat_targets != ignore_index) & ((flat_targets < 0) | (flat_targets >= v))
     if bad.any():

@@ -28,6 +28,7 @@ from __future__ import annotations
 import importlib
 import os
 import contextlib
+import functools
 from collections import Counter
 from dataclasses import dataclass
 from types import ModuleType
@@ -50,8 +51,10 @@ class Launch:
     kwargs: dict
 
 
-# Set only inside `recording`: the list its launches go to (instead of running).
+# Set only inside `recording`: the list its launches go to (instead of running), and the SM count
+# the launchers size their grids for there.
 _recorded: list[Launch] | None = None
+_recorded_sms: int | None = None
 
 
 def interpreting() -> bool:
@@ -84,14 +87,32 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     kernel[grid](*args, **kwargs)
 
 
+def sm_count(device: torch.device) -> int | None:
+    """The streaming multiprocessors a launch on ``device`` can fill (persistent kernels size their grid
+    by it): a CUDA device's, the one `recording` was given, or None (the interpreter: programs run one
+    after another, so a launcher picks a small fixed number)."""
+    if _recorded_sms is not None:
+        return _recorded_sms
+    if device.type != "cuda":
+        return None
+    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 @contextlib.contextmanager
-def recording() -> Iterator[list[Launch]]:
+def recording(sm_count: int | None = None) -> Iterator[list[Launch]]:
     """Inside: every public kernel function takes its Triton path, whatever the tensors' device, and
-    its launches are appended to the list yielded instead of running (outputs stay unwritten). For
-    reading what a launcher passes (``tests/test_kernels_sass.py``); not for computing anything."""
-    global _recorded
-    outer, _recorded = _recorded, []
+    its launches are appended to the list yielded instead of running (outputs stay unwritten); with
+    ``sm_count`` the launchers size their grids for a GPU of that many SMs (an H100 has 132). For
+    reading what a launcher passes (``tests/test_kernels_compile.py``); not for computing anything."""
+    global _recorded, _recorded_sms
+    outer = _recorded, _recorded_sms
+    _recorded, _recorded_sms = [], sm_count
     try:
         yield _recorded
     finally:
-        _recorded = outer
+        _recorded, _recorded_sms = outer

@@ -53,14 +53,13 @@ in fp32 torch ops (fp64 in fp64), both differentiated by autograd.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from .dispatch import launch, triton_module, use_triton
+from .dispatch import launch, sm_count, triton_module, use_triton
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -300,16 +299,11 @@ def _programs(device: torch.device, num_warps: int) -> int:
     """Programs in the persistent backward: as many as fit on the GPU at once (`programs_per_sm` per SM);
     each loops over rows, and the partial buffers are (this, D). Off a GPU (the interpreter) 4, so each
     still loops over several rows."""
-    return programs_per_sm(num_warps) * _sms(device) if device.type == "cuda" else 4
+    n_sm = sm_count(device)
+    return programs_per_sm(num_warps) * n_sm if n_sm is not None else 4
 
 
 def _sms(device: torch.device) -> int:
-    """The SM count of a CUDA device; 4 elsewhere (the interpreter, where programs run one after another)."""
-    if device.type != "cuda":
-        return 4
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+    """The SM count of a GPU; 4 elsewhere (the interpreter, where programs run one after another)."""
+    n_sm = sm_count(device)
+    return n_sm if n_sm is not None else 4

@@ -50,6 +50,7 @@ pytestmark = pytest.mark.skipif(INTERPRETING, reason="the kernels were defined f
                                                      "process; the parent pytest compiles them")
 
 ROWS, D, V, SHARD = 256, 4096, 32768, 1 << 20
+H100_SMS = 132  # (the H200 has as many)
 STREAMED = 65536  # elements: per-row statistics of ROWS rows are not streams, activations and shards are
 TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int64: "i64",
          torch.int32: "i32", torch.bool: "i1", torch.uint8: "u8"}
@@ -108,7 +109,7 @@ def recorded() -> dict[str, list[dispatch.Launch]]:
     torch.manual_seed(0)
     for dtype in (torch.bfloat16, torch.float32):
         for case in _cases(dtype).values():
-            with dispatch.recording() as launches:
+            with dispatch.recording(sm_count=H100_SMS) as launches:  # grids sized as on the benchmark GPU
                 case()
             for launch in launches:
                 types, constexprs, _ = _signature(launch)
@@ -212,7 +213,8 @@ def _compiled(name: str, index: int, fp64_scalars: bool) -> Sass:
     types, constexprs, div16 = _signature(launch, fp64_scalars)
     names = [p.name for p in launch.kernel.params]
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in div16}
-    options = {k: launch.kwargs[k] for k in ("num_warps", "num_stages", "enable_fp_fusion") if k in launch.kwargs}
+    options = {k: launch.kwargs[k] for k in ("num_warps", "num_stages", "enable_fp_fusion", "maxnreg")
+               if k in launch.kwargs}
     options.setdefault("enable_fp_fusion", True)  # triton 3.6's default, and what torch's nvcc builds do
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["TRITON_CACHE_DIR"] = tmp  # compile for real, never from a cache
@@ -258,7 +260,19 @@ class Promise:
     max_int_share: float = 0.40
 
 
-PROMISES: dict[str, Promise] = collections.defaultdict(Promise)
+PROMISES: dict[str, Promise] = collections.defaultdict(Promise, {
+    # The row read once: x (and delta) and the parameters, 2 vectors each per thread at D = 4096 over 8 warps.
+    "layer_norm_fwd_kernel": Promise(max_vector_loads=6),          # x, w, b
+    "rms_norm_fwd_kernel": Promise(max_vector_loads=4),            # x, w
+    "add_layer_norm_fwd_kernel": Promise(max_vector_loads=8),      # x, delta, w, b
+    "add_rms_norm_fwd_kernel": Promise(max_vector_loads=6),        # x, delta, w
+    # Writes the (D,) weight and bias gradients, 32 columns a program on a GPU: too short for vectors.
+    "norm_grad_sum_kernel": Promise(stores_vectors=False, narrow_stores=2),
+    "row_stats_kernel": Promise(stores_vectors=False),             # writes per-row statistics only
+    "xent_loss_grad_kernel": Promise(narrow_loads=1),              # the target's logit: one element a row
+    # One program counting the valid rows and summing their losses: integer work is what it does.
+    "xent_mean_kernel": Promise(max_int_share=0.6),
+})
 
 
 # ----------------------------------------------------------------------------- the tests
