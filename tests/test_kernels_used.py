@@ -70,6 +70,32 @@ def test_gpt_step_goes_through_the_kernels_and_matches_pytorch():
             torch.testing.assert_close(params[k], ref_params[k], msg=lambda m: f"{norm}/{mlp} param {k}: {m}")
 
 
+@interpreted
+def test_the_gpt_with_the_kernels_compiles_whole_and_trains_as_eager():
+    """The GPT on minipar's Triton path (both forms, the residual add fused with the norm, the LM head and
+    its loss in chunks) under ``torch.compile(fullgraph=True)``: the kernels are custom operators Dynamo
+    traces through (a graph break would raise), they still launch, and two AdamW steps give eager's
+    parameters. (aot_eager: Dynamo and AOT autograd trace the whole forward and backward, as for Inductor,
+    without a C++ build on the CPU.)"""
+    torch._dynamo.reset()
+    for form in (dict(), dict(norm="rmsnorm", mlp="swiglu", pos="rope", tie_weights=False, fused_qkv=True)):
+        cfg = GPTConfig(vocab_size=24, block_size=8, n_layer=2, n_head=2, n_embd=16, **form)
+        eager, compiled = GPT(cfg), GPT(cfg)
+        run = torch.compile(compiled, backend="aot_eager", fullgraph=True)
+        opts = [torch.optim.AdamW(m.parameters(), lr=LR, weight_decay=WD, eps=EPS) for m in (eager, compiled)]
+        gen = torch.Generator().manual_seed(0)
+        for _ in range(2):
+            x = torch.randint(0, 24, (3, 8), generator=gen)
+            for forward, opt in zip((eager, run), opts):
+                _, used = _launched_during(lambda: forward(x[:, :-1], targets=x[:, 1:]).backward())
+                assert {"xent_loss_grad_kernel"} <= used and any("add_" in k for k in used), (form, used)
+                opt.step()
+                opt.zero_grad()
+        for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
+            torch.testing.assert_close(q, p, msg=lambda m: f"{form} {name}: {m}")
+    torch._dynamo.reset()
+
+
 def _zero_steps(ctx, strategy: str, precision: str, triton: bool):
     with contextlib.nullcontext() if triton else pytorch_path():
         mesh = Mesh()
