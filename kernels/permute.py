@@ -9,10 +9,18 @@ Each is the other's adjoint, so each one's backward is the other:
 grad_x = unpermute(grad_y, index, N) and grad_y = permute(grad_out, index).
 
 The Triton scatter-add writes every destination row exactly once and owns it:
-the rows that land on n are found through a stable sort of ``index``, and one
-program sums them in index order. No atomics, no zero fill, and the result is
-deterministic (bitwise the same as ``index_add_`` in fp32 on CPU, which adds in
-the same order). Empty inputs (M = 0 or N = 0 or D = 0) launch nothing.
+the rows that land on n are found through a stable sort of ``index`` and a
+binary search of the sorted index for where each n starts (device work: no
+count is read back, so the host never waits), and one program sums them in
+index order. No atomics, no zero fill, and the result is deterministic
+(bitwise the same as ``index_add_`` in fp32 on CPU, which adds in the same
+order). Empty inputs (M = 0 or N = 0 or D = 0) launch nothing. Both kernels
+move tiles of several rows per program (``permute_triton`` has the layout).
+
+The launchers are ``torch.library`` custom ops (``minipar::gather_rows`` and
+``minipar::scatter_add_rows``, with fake implementations giving the shapes)
+that the autograd Functions call, so ``torch.compile`` traces permute and
+unpermute whole (fullgraph) and keeps the kernels.
 The Triton path does not check that ``index`` is in range (a check would
 synchronise the device); the PyTorch path raises as ``index_select`` does.
 """
@@ -65,32 +73,59 @@ def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """out[m] = x[index[m]]."""
     if not use_triton(x):
         return x.index_select(0, index)
-    x = x.contiguous()
-    out = torch.empty((index.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    if out.numel() == 0:
-        return out
-    tk = triton_module("permute_triton")
-    d = out[0].numel()
-    block_d = tk.block_for(d)
-    launch(tk.gather_rows_kernel, (index.shape[0], -(-d // block_d)), x, index.contiguous(), out, d, BLOCK_D=block_d)
-    return out
+    return gather_rows_op(x, index)
 
 
 def scatter_add_rows(y: torch.Tensor, index: torch.Tensor, n_rows: int) -> torch.Tensor:
     """out[n] = sum of y[m] over m with index[m] = n; zero rows where n is never indexed."""
     if not use_triton(y):
         return torch.zeros((n_rows,) + tuple(y.shape[1:]), dtype=y.dtype, device=y.device).index_add_(0, index, y)
-    y = y.contiguous()
-    out = torch.empty((n_rows,) + tuple(y.shape[1:]), dtype=y.dtype, device=y.device)
+    return scatter_add_rows_op(y, index, n_rows)
+
+
+# ----------------------------------------------------------------------------- the launchers, as custom ops
+
+@torch.library.custom_op("minipar::gather_rows", mutates_args=())
+def gather_rows_op(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x (N, ...), index (M,) int -> (M, ...) in x's dtype: the Triton gather."""
+    x = x.contiguous()
+    out = x.new_empty((index.shape[0],) + tuple(x.shape[1:]))
     if out.numel() == 0:
         return out
-    # Row ownership: sources of destination n are order[start[n] : start[n] + count[n]].
-    # A stable sort keeps them in index order, the order index_add_ adds them in.
-    order = torch.sort(index, stable=True).indices
-    count = torch.bincount(index, minlength=n_rows)
-    start = torch.cumsum(count, 0) - count
+    tk = triton_module("permute_triton")
+    d, m = out[0].numel(), index.shape[0]
+    config = tk.config(d, x.element_size(), max(x.numel(), out.numel()))
+    launch(tk.gather_rows_kernel, (-(-m // config["ROWS"]), -(-d // config["BLOCK_D"])), x, index.contiguous(), out,
+           m, d, **config, num_warps=tk.GATHER_WARPS)
+    return out
+
+
+@torch.library.custom_op("minipar::scatter_add_rows", mutates_args=())
+def scatter_add_rows_op(y: torch.Tensor, index: torch.Tensor, n_rows: int) -> torch.Tensor:
+    """y (M, ...), index (M,) int -> (n_rows, ...) in y's dtype: the Triton segment sum."""
+    y = y.contiguous()
+    out = y.new_empty((n_rows,) + tuple(y.shape[1:]))
+    if out.numel() == 0:
+        return out
     tk = triton_module("permute_triton")
     d = out[0].numel()
-    block_d = tk.block_for(d)
-    launch(tk.segment_sum_rows_kernel, (n_rows, -(-d // block_d)), y, order, start, count, out, d, BLOCK_D=block_d)
+    config = tk.config(d, y.element_size(), max(y.numel(), out.numel()))
+    # Row ownership without reading anything back: the sources of destination n are
+    # order[bounds[n] : bounds[n + 1]]. The stable sort keeps them in index order, the order index_add_
+    # adds them in, and a binary search of the sorted index finds where each n starts (n_rows + 1 bounds).
+    sorted_index, order = torch.sort(index, stable=True)
+    bounds = torch.searchsorted(sorted_index, torch.arange(n_rows + 1, device=y.device, dtype=sorted_index.dtype),
+                                out_int32=not config["INT64"])
+    launch(tk.segment_sum_rows_kernel, (-(-n_rows // config["ROWS"]), -(-d // config["BLOCK_D"])), y, order, bounds,
+           out, n_rows, d, **config, num_warps=tk.SEGMENT_SUM_WARPS)
     return out
+
+
+@gather_rows_op.register_fake
+def _(x, index):
+    return x.new_empty((index.shape[0],) + tuple(x.shape[1:]))
+
+
+@scatter_add_rows_op.register_fake
+def _(y, index, n_rows):
+    return y.new_empty((n_rows,) + tuple(y.shape[1:]))

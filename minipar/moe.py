@@ -245,7 +245,9 @@ class MoELayer(nn.Module):
         # Sort the kept assignments by expert (stable: queue order within an expert).
         order = kept[expert[kept].argsort(stable=True)]
         x_perm = permute(x, token[order])                                   # (M, d) expert-major
-        counts = torch.bincount(expert[order], minlength=self.n_experts)    # (E,) rows per expert
+        # (E,) rows per expert; a scatter-add of ones into E zeros, where bincount reads max(expert) back
+        counts = torch.zeros(self.n_experts, dtype=torch.long, device=x.device).scatter_add_(
+            0, expert[order], torch.ones_like(order))
         self.last_counts.append(counts.detach())
         y_perm = self._experts(x_perm, counts)
         y_perm = y_perm * weight[order, None].to(y_perm.dtype)

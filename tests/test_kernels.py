@@ -15,6 +15,7 @@ from hypothesis import given, settings, strategies as st
 
 from minipar import kernels
 from minipar.kernels import permute, unpermute
+from minipar.syncs import count_host_syncs
 
 from kernel_testing import interpreted, launched, lowp_ok, run_interpreted
 
@@ -54,24 +55,76 @@ def test_permute_unpermute(n, m, d, bf16, seed):
 
 @interpreted
 @settings(max_examples=8)
-@given(n=st.integers(1, 6), m=st.integers(1, 8), d=st.integers(1, 70), bf16=st.booleans(), seed=st.integers(0, 99))
-def test_permute_unpermute_rows_wider_than_a_block(n, m, d, bf16, seed):
-    """With blocks of 16 columns, rows of any width loop over column blocks (a ragged tail included) and
-    still equal the reference, forward and backward."""
+@given(n=st.integers(1, 20), m=st.integers(1, 40), d=st.integers(1, 70), bf16=st.booleans(), seed=st.integers(0, 99),
+       int64=st.booleans())
+def test_permute_unpermute_small_tiles(n, m, d, bf16, seed, int64):
+    """With tiles of 4 rows by 16 columns: rows split over column blocks (a ragged tail included), row tiles
+    with a ragged tail, destination rows of a tile with different numbers of sources (0 included), and the
+    int64-offset variant (an operand of 2**31 elements gets it): still the reference, forward and backward."""
     tk = kernels.dispatch.triton_module("permute_triton")
-    with mock.patch.object(tk, "block_for", lambda d: 16):
+    small = dict(ROWS=4, BLOCK_D=16, EVEN_D=d % 16 == 0, INT64=int64)
+    with mock.patch.object(tk, "config", lambda d, size, numel: small):
         _check_permute_unpermute(n, m, d, torch.bfloat16 if bf16 else torch.float32, seed)
 
 
 @interpreted
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("d, n_blocks", [(1024, 1), (1025, 2), (2049, 3)])
+@pytest.mark.parametrize("d, n_blocks", [(4096, 1), (4097, 2), (8193, 3)])
 def test_permute_unpermute_wide_rows(d, n_blocks, dtype):
-    """With the real block size (at most 1024 columns): D = 1024 is one block, D = 1025 two, the second holding
-    one column, D = 2049 three."""
+    """With the real tiles (at most 4096 columns): D = 4096 is one column block, D = 4097 two, the second
+    holding one column, D = 8193 three."""
     tk = kernels.dispatch.triton_module("permute_triton")
-    assert -(-d // tk.block_for(d)) == n_blocks
+    assert -(-d // tk.config(d, dtype.itemsize, 5 * d)["BLOCK_D"]) == n_blocks
     _check_permute_unpermute(3, 5, d, dtype, seed=d)
+
+
+@interpreted
+def test_unpermute_many_sources_per_row():
+    """Destination rows with 0 to 40 sources side by side in one tile: each sums its own, in index order (bitwise
+    index_add_ in fp32)."""
+    g = torch.Generator().manual_seed(11)
+    n, d = 24, 37
+    index = torch.cat([torch.full((k,), (7 * k) % n) for k in range(41)])  # row (7k mod n) gets k sources
+    index = index[torch.randperm(index.numel(), generator=g)]
+    y = torch.randn(index.numel(), d, generator=g)
+    with launched("segment_sum_rows_kernel"):
+        out = unpermute(y, index, n)
+    assert torch.equal(out, torch.zeros(n, d).index_add_(0, index, y))
+
+
+@interpreted
+def test_permute_unpermute_in_torch_compile():
+    """Inside torch.compile (fullgraph, aot_eager) permute and unpermute trace as their custom ops: forward and
+    backward launch the kernels and equal eager bit for bit."""
+    g = torch.Generator().manual_seed(12)
+    index = torch.randint(0, 9, (14,), generator=g)
+
+    def fn(x):
+        return unpermute(permute(x, index) * 2, index, 9)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    x = torch.randn(9, 33, generator=g).bfloat16()
+    grad = torch.randn(9, 33, generator=g).bfloat16()
+    results = []
+    for f in (compiled, fn):
+        leaf = x.clone().requires_grad_()
+        with launched("gather_rows_kernel"), launched("segment_sum_rows_kernel"):
+            out = f(leaf)
+            out.backward(grad)
+        results.append((out.detach(), leaf.grad))
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+@interpreted
+def test_permute_unpermute_make_no_host_sync():
+    """permute and unpermute, forward and backward: nothing would make the host wait for a GPU (no bincount,
+    no count read back; ``minipar.syncs``)."""
+    index = torch.tensor([3, 0, 3, 5, 1, 3])
+    x = torch.randn(6, 20, requires_grad=True)
+    with count_host_syncs() as syncs, launched("gather_rows_kernel"), launched("segment_sum_rows_kernel"):
+        unpermute(permute(x, index), index, 6).sum().backward()
+    assert not syncs.calls, syncs.report()
 
 
 def _check_permute_unpermute(n, m, d, dtype, seed):
