@@ -25,6 +25,19 @@ Gradient clipping after the warm-up (``model.clip_grad_norm_``) clips each rank'
 by its *local* norm, before it enters the momentum; the norm returned is that local one and differs
 between ranks. (The variance no longer moves, so clipping only bounds one rank's contribution.)
 
+Copies of one parameter stay equal. The exchange runs over the data-parallel group of each tensor-
+parallel rank and pipeline stage, and its result for a tensor depends on everything else in the
+flat buffer (the scale blocks it shares, the error feedback), so two copies of one parameter that
+sit in different buffers would come out of it different and drift apart step by step: a parameter
+replicated over tp (norms, biases of row-parallel layers, anything the plan does not split), and the
+two copies of a tied embedding/head under pipeline parallelism (the first stage's embedding, the
+last stage's head). Their local gradients are equal (or summed over the copies, `sync_tied_grads`),
+so their momentum is too until the exchange; after it each such momentum is averaged over its copies
+(an all-reduce over tp of the tp-replicated ones, uncompressed: norms and biases are small; one over
+pp of the tied weight, as its gradient is every step), so every copy takes the same step. Expert
+parallelism is refused: the data-parallel ranks of an ep group hold different experts, and the
+exchange would average them together.
+
 ZeRO is refused, as DeepSpeed does: the exchange compresses the whole momentum, which ZeRO shards.
 Checkpoints (`minipar.checkpoint`) keep the per-parameter state as for AdamW (after the warm-up the
 momentum and the frozen denominator) and, per rank, the phase and the error-feedback buffers
@@ -61,6 +74,7 @@ import torch
 
 from .comm import AxisGroup, Comm
 from .ddp import DataParallel
+from .placement import placement_of
 
 _SCALE_BYTES = 4  # one fp32 scale after each block's signs
 SCALE_BLOCK = 2048  # elements sharing one scale: 4 bytes per 256 bytes of signs (wire ratio ~1/31.5)
@@ -88,15 +102,30 @@ class OneBitAdam(torch.optim.AdamW):
                              "ShardedModule(..., strategy='ddp'). ZeRO (zero1/zero2/zero3) is refused, as in "
                              "DeepSpeed: the compressed exchange needs the whole momentum, which ZeRO shards; "
                              "use strategy='ddp' or torch.optim.AdamW")
+        mesh = strategy.mesh
+        if mesh.ep > 1:
+            raise ValueError(f"OneBitAdam averages the momentum over the data-parallel ranks, but with ep={mesh.ep} "
+                             "the ranks of an expert-parallel group hold different experts: the exchange would "
+                             "average unrelated experts together. Use ep=1, or torch.optim.AdamW")
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         odd = {p.dtype for g in self.param_groups for p in g["params"] if p.dtype != torch.float32}
         if odd:
             raise ValueError(f"OneBitAdam steps fp32 parameters only; got {sorted(map(str, odd))}")
         self.freeze_step = freeze_step
         self.strategy = strategy
+        # Copies of one parameter whose momentum is averaged after every exchange (module docstring):
+        # those replicated over tp, and a pipeline's tied embedding/head (its copy on the first and on
+        # the last stage; a middle stage adds zeros of its shape, as for the gradient).
+        self.tp_replicated = [p for p in self._params() if mesh.tp > 1 and not placement_of(p).tensor_parallel]
+        stage = strategy.module
+        self.tied_stage = stage if mesh.pp > 1 and getattr(stage, "tied", False) else None
+        if self.tied_stage is not None:
+            full = stage.tied_shape
+            self.tied_shape = (full[0] // mesh.tp,) + tuple(full[1:])  # its tp rank's rows, as under tp
         self.steps_taken = 0
         # built by _freeze at the end of step freeze_step:
         self.momentum: torch.Tensor | None = None  # every exp_avg is a view of this flat buffer
+        self.momentum_of: dict[torch.nn.Parameter, torch.Tensor] = {}  # each parameter's view of it
         self.worker_error: torch.Tensor | None = None
         self.server_error: torch.Tensor | None = None
         self.real_mask: torch.Tensor | None = None  # which elements of the padded exchange are data (`real_mask`)
@@ -135,6 +164,7 @@ class OneBitAdam(torch.optim.AdamW):
         n = self.strategy.group.size
         self.momentum = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32, device=params[0].device)
         views = dict(zip(params, self.momentum.split([p.numel() for p in params])))
+        self.momentum_of = {p: v.view_as(p) for p, v in views.items()}
         for group in self.param_groups:
             beta2, eps = group["betas"][1], group["eps"]
             for p in self._stepped(group):
@@ -188,6 +218,7 @@ class OneBitAdam(torch.optim.AdamW):
                                     alpha=1 - beta1)
         compressed_allreduce(self.momentum, self.worker_error, self.server_error,
                              self.strategy.comm, self.strategy.group, mask=self.real_mask)
+        self._average_copies()
         for group in self.param_groups:  # p <- p (1 - lr wd) - lr / (1 - b1^t) m / denom
             lr, beta1, wd = group["lr"], group["betas"][0], group["weight_decay"]
             stepped = self._stepped(group)
@@ -198,6 +229,26 @@ class OneBitAdam(torch.optim.AdamW):
             torch._foreach_mul_(stepped, 1 - lr * wd)
             torch._foreach_addcdiv_(stepped, [s["exp_avg"] for s in states], [s["denom"] for s in states],
                                     [-lr / (1 - beta1 ** float(s["step"])) for s in states])
+
+    def _average_copies(self) -> None:
+        """Each copied parameter's momentum <- its mean over the copies (module docstring), so that
+        every copy takes the same step: over tp for the tp-replicated parameters, over the first and
+        last stage for a tied embedding/head. The same collectives on every rank, in this order."""
+        mesh, comm = self.strategy.mesh, self.strategy.comm
+        if self.tp_replicated:
+            views = [self.momentum_of[p] for p in self.tp_replicated]
+            flat = torch.cat([v.reshape(-1) for v in views])
+            comm.all_reduce(flat, mesh.group("tp"), tag="onebit_copies")
+            flat.div_(mesh.tp)
+            torch._foreach_copy_(views, [f.view_as(v) for f, v in zip(flat.split([v.numel() for v in views]), views)])
+        if self.tied_stage is not None:
+            w = self.tied_stage.tied_weight()
+            mine = self.momentum_of[w] if w is not None else None
+            buf = mine.clone() if mine is not None else torch.zeros(self.tied_shape, dtype=torch.float32,
+                                                                    device=self.momentum.device)
+            comm.all_reduce(buf, mesh.group("pp"), tag="onebit_copies")  # the two copies; others add 0
+            if mine is not None:
+                mine.copy_(buf.div_(2))
 
 
 # -- the compressed all-reduce ------------------------------------------------------------

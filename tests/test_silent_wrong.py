@@ -275,3 +275,209 @@ def test_a_module_that_mixes_tokens_unwired_is_refused_under_cp(pools, form, ext
         # width, seq), so the first output over the sequence that differs is its block's
         assert ("'layers.1.mha'" if extra == "mha" else "'layers.1'") in said, said
         assert calls == 0
+
+
+# -- pipelines: parameters shared across stages, and specs that are not the model -----------------
+
+
+def _gpt_for(case: str) -> tuple[nn.Module, object]:
+    """(model, StageSpec) of each pipeline case, built on the rank (specs hold functions)."""
+    from dataclasses import replace
+
+    from minipar.pipeline import gpt_spec
+
+    model = GPT(GPTConfig(vocab_size=16, block_size=8, n_layer=4, n_head=2, n_embd=8, seed=5))
+    spec = gpt_spec(model)
+    if case == "a weight shared by two depths":  # ALBERT-style tying inside the trunk
+        model.layers[3].mlp.fc.weight = model.layers[0].mlp.fc.weight
+    elif case == "a block used at two depths":
+        model.layers[2] = model.layers[0]
+    elif case == "a tie the spec does not declare":
+        spec = replace(spec, tied=None)
+    elif case == "the final norm left out":
+        spec = replace(spec, last=("lm_head",), head=_head_without_norm)
+    elif case == "a wrong width":
+        spec = replace(spec, hidden_size=16)
+    elif case == "a head that is not the model's":
+        spec = replace(spec, head=_scaled_head)
+    elif case == "a head using a first-stage module":
+        spec = replace(spec, first=("wte", "wpe", "drop", "ln_f"), last=("lm_head",))
+    return model, spec
+
+
+def _head_without_norm(s, h):
+    return s.lm_head(h)
+
+
+def _scaled_head(s, h):
+    return s.lm_head(s.ln_f(h)) * 2.0
+
+
+def _wrap_pipeline(ctx, case: str):
+    from minipar.pipeline import PipelineConfig
+
+    mesh = Mesh(pp=2)
+    model, spec = _gpt_for(case)
+    with mesh.comm.counting() as stats:
+        try:
+            ShardedModule(model, mesh=mesh, pipeline=PipelineConfig(microbatches=2, stage_spec=spec))
+            said = None
+        except ValueError as e:
+            said = str(e)
+    mesh.destroy()
+    return said, stats.calls()
+
+
+@pytest.mark.parametrize("case, why", [
+    ("a weight shared by two depths", "'layers.0.mlp.fc.weight' of GPT is shared by block 0 and block 3"),
+    ("a block used at two depths", "is shared by block 0 and block 2"),
+    ("a tie the spec does not declare", "'wte.weight' of GPT is shared by the embedding and the head"),
+])
+def test_a_parameter_shared_across_stages_is_refused(pools, case, why):
+    """Class 2. A Parameter used by blocks a pipeline may put on different stages (weights tied
+    inside the trunk, one block at two depths), or by the embedding and the head without the tie
+    being declared in StageSpec.tied, is refused on every rank before any collective: each stage
+    would train its own copy. Before: the pipeline trained the copies apart silently."""
+    for said, calls in pools.run(2, _wrap_pipeline, case):
+        assert said is not None, "not refused"
+        assert why in said and "each would train its own copy" in said, said
+        assert calls == 0
+
+
+@pytest.mark.parametrize("case, why", [
+    ("the final norm left out", "GPT's forward runs ln_f, but no stage cut by its StageSpec does"),
+    ("a wrong width", "block 0 of GPT takes or gives hidden states of shape (1, 2, 8) (input), but the stages "
+                      "send each other (batch, seq, hidden_size=16)"),
+    ("a head that is not the model's", "compute other logits than its own forward"),
+    ("a head using a first-stage module", "fail on token ids of shape (1, 2)"),
+])
+def test_a_stage_spec_that_is_not_the_model_is_refused(pools, case, why):
+    """Class 3. A StageSpec whose stages, run one after another in one process, are not the model: a
+    module of the model's forward in no stage (the final norm), a boundary width other than the
+    model's (before: a gloo abort in the first send), a head computing something else, a head using
+    a module only the first stage holds. Refused on every rank when wrapped, before any collective.
+    Before: the first and third trained another model silently, the last failed on one stage only."""
+    for said, calls in pools.run(2, _wrap_pipeline, case, timeout=120):
+        assert said is not None, "not refused"
+        assert why in said, said
+        assert calls == 0
+
+
+def test_the_stage_check_passes_every_built_in_model_and_costs_little():
+    """Class 3's check on the models minipar cuts (its GPT in each form, the MoE GPT; Hugging Face
+    GPT-2, Llama and Mistral with eager and SDPA attention, tied and untied): no refusal, and a
+    fraction of a second for each."""
+    import time
+
+    transformers = pytest.importorskip("transformers")
+    from minipar.models import MoEGPT, MoEGPTConfig
+    from minipar.pipeline import spec_for
+
+    small = dict(vocab_size=16, block_size=8, n_layer=2, n_head=2, n_embd=8)
+    models = [GPT(GPTConfig(**small, **kw)) for kw in (dict(), dict(tie_weights=False), dict(fused_qkv=True),
+                                                          dict(norm="rmsnorm", mlp="swiglu", pos="rope"))]
+    models.append(MoEGPT(MoEGPTConfig(**small, n_experts=4, top_k=2)))
+    hf = dict(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+              num_key_value_heads=1, max_position_embeddings=8, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    for attn in ("eager", "sdpa"):
+        for tied in (True, False):
+            models.append(transformers.GPT2LMHeadModel(transformers.GPT2Config(
+                vocab_size=16, n_positions=8, n_embd=8, n_layer=2, n_head=2, tie_word_embeddings=tied,
+                attn_implementation=attn)))
+            models.append(transformers.LlamaForCausalLM(transformers.LlamaConfig(
+                **hf, tie_word_embeddings=tied, attn_implementation=attn)))
+            models.append(transformers.MistralForCausalLM(transformers.MistralConfig(
+                **hf, sliding_window=3, tie_word_embeddings=tied, attn_implementation=attn)))
+    for model in models:
+        model.train()
+        start = time.perf_counter()
+        spec_for(model).check(model)
+        assert time.perf_counter() - start < 5.0, type(model).__name__  # generous: a loaded CI machine
+        assert all(m.training for m in model.modules()), "the check left the model in eval mode"
+
+
+# -- 1-bit Adam: copies of a parameter stay equal after the warm-up ---------------------------------
+
+
+def _onebit_copies(ctx, layout: dict, cfg: dict, steps: int):
+    """Train ``steps`` 1-bit Adam steps (warm-up 1, so the rest are compressed); return this rank's
+    mesh coordinates, its parameters and its losses."""
+    from minipar import OneBitAdam
+    from minipar.placement import placement_of
+
+    mesh = Mesh(**layout)
+    options = dict(microbatches=2) if mesh.pp > 1 else {}
+    model = ShardedModule(GPT(GPTConfig(**cfg)), mesh=mesh, **options)
+    opt = model.build_optimizer(OneBitAdam, lr=3e-2, freeze_step=1)
+    data = torch.randint(0, cfg["vocab_size"], (steps, 4 * mesh.dp, 9), generator=torch.Generator().manual_seed(9))
+    losses = []
+    for s in range(steps):
+        x = data[s, 4 * mesh.dp_rank:4 * (mesh.dp_rank + 1)]
+        losses.append(model.train_step(x[:, :-1], x[:, 1:], model.cross_entropy).item())
+        model.clip_grad_norm_(0.5)
+        opt.step()
+        opt.zero_grad()
+    replicated = {n: p.detach().clone() for n, p in model.module.named_parameters()
+                  if not placement_of(p).tensor_parallel}
+    tied = model.module.tied_weight() if mesh.pp > 1 else None
+    out = dict(tp_rank=mesh.tp_rank, dp_rank=mesh.dp_rank, pp_rank=mesh.pp_rank, replicated=replicated,
+               tied=tied.detach().clone() if tied is not None else None, losses=losses)
+    mesh.destroy()
+    return out
+
+
+_ONEBIT_CFG = dict(vocab_size=16, block_size=8, n_layer=2, n_head=2, n_embd=8, seed=6)
+
+
+def test_onebit_adam_keeps_tensor_parallel_replicas_equal(pools):
+    """Class 1, tp. Under tp=2 x dp=2, the parameters replicated over tp (norms, biases of the row-
+    parallel layers, the position table) are bitwise equal on the two tp ranks after several
+    compressed steps (with clipping), on every data-parallel rank. Before: they drifted apart from the
+    first compressed step (each tp rank's exchange compressed them within a different buffer)."""
+    results = pools.run(4, _onebit_copies, dict(tp=2), _ONEBIT_CFG, 4)
+    by = {(r["dp_rank"], r["tp_rank"]): r for r in results}
+    for dp in range(2):
+        a, b = by[(dp, 0)], by[(dp, 1)]
+        assert a["replicated"].keys() == b["replicated"].keys() and len(a["replicated"]) > 4
+        for name, value in a["replicated"].items():
+            assert torch.equal(value, b["replicated"][name]), f"dp {dp}: {name} differs between the tp ranks"
+    assert all(torch.isfinite(torch.tensor(r["losses"])).all() for r in results)
+
+
+def test_onebit_adam_keeps_the_tied_copies_of_a_pipeline_equal(pools):
+    """Class 1, pp. Under pp=2 x dp=2 with a tied embedding/head, the first stage's embedding and the
+    last stage's head are bitwise equal after several compressed steps (with clipping). Before: the
+    two copies took different compressed steps and drifted apart."""
+    results = pools.run(4, _onebit_copies, dict(pp=2), _ONEBIT_CFG, 4)
+    by = {(r["dp_rank"], r["pp_rank"]): r for r in results}
+    for dp in range(2):
+        first, last = by[(dp, 0)]["tied"], by[(dp, 1)]["tied"]
+        assert first is not None and last is not None
+        assert torch.equal(first, last), f"dp {dp}: the tied copies drifted apart by {(first - last).abs().max()}"
+
+
+def _onebit_under_ep(ctx):
+    from minipar import OneBitAdam
+    from minipar.models import MoEGPT, MoEGPTConfig
+
+    mesh = Mesh(ep=2)
+    model = ShardedModule(MoEGPT(MoEGPTConfig(vocab_size=16, block_size=8, n_layer=2, n_head=2, n_embd=8,
+                                              n_experts=4, top_k=2)), mesh=mesh)
+    with mesh.comm.counting() as stats:
+        try:
+            model.build_optimizer(OneBitAdam, lr=1e-3, freeze_step=2)
+            said = None
+        except ValueError as e:
+            said = str(e)
+    mesh.destroy()
+    return said, stats.calls()
+
+
+def test_onebit_adam_under_expert_parallelism_is_refused(pools):
+    """Class 7 (found while checking 1-bit Adam's copies): under ep=2 the data-parallel ranks hold
+    different experts, and the compressed exchange would average them together. build_optimizer
+    refuses it on every rank, before any collective. Before: accepted, and after the warm-up each
+    rank's experts took the average of unrelated experts' momenta."""
+    for said, calls in pools.run(2, _onebit_under_ep):
+        assert said is not None and "ep=2" in said and "different experts" in said, said
+        assert calls == 0
