@@ -7,11 +7,13 @@ a 16-bit dst, 4 for fp32), so the loads, the stores and the flag's reduction
 share one register layout and nothing goes through shared memory.
 
 The flag costs one instruction per element and no barrier: each thread takes
-the NaN-propagating max of |y| over each of its VEC-vectors (a reshape to
-(BLOCK / VEC, VEC) keeps that reduction inside the thread), and a vector whose
-max is not below the dtype's overflow threshold issues a relaxed atomic max of
-1.0 on the flag (as int32: the bits of non-negative floats order as integers).
-On clean data no atomic is issued at all.
+the NaN-propagating max of |y| over each of its VEC-vectors (the block seen
+as (BLOCK / VEC, VEC), the vector dimension halved log2(VEC) times with
+``tl.split``: every step stays inside the thread, and the interpreter runs it
+as numpy, where ``tl.reduce`` with a combine function of one's own loops in
+Python), and a vector whose max is not below the dtype's overflow threshold
+issues a relaxed atomic max of 1.0 on the flag (as int32: the bits of
+non-negative floats order as integers). On clean data no atomic is issued at all.
 """
 
 import triton
@@ -32,17 +34,13 @@ def config(n: int, dst_element_size: int) -> dict:
     """BLOCK and num_warps for n elements (16 per thread), VEC (16 bytes of dst), INT64 near 2**31."""
     num_warps = 8 if n >= 8 * 32 * ELEMENTS_PER_THREAD else 4
     block = num_warps * 32 * ELEMENTS_PER_THREAD
-    return dict(BLOCK=block, VEC=16 // dst_element_size, INT64=n > 2**31 - 1 - block, num_warps=num_warps)
-
-
-@triton.jit
-def _max_nan(a, b):
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+    vec = 16 // dst_element_size
+    return dict(BLOCK=block, VEC=vec, VEC_LOG2=vec.bit_length() - 1, INT64=n > 2**31 - 1 - block, num_warps=num_warps)
 
 
 @triton.jit
 def scale_cast_kernel(src_ptr, dst_ptr, found_ptr, n, scale, BLOCK: tl.constexpr, VEC: tl.constexpr,
-                      INT64: tl.constexpr, INTERPRETED: tl.constexpr):
+                      VEC_LOG2: tl.constexpr, INT64: tl.constexpr, INTERPRETED: tl.constexpr):
     """dst[b] = round(fp32(src[b]) * scale) for this program's block b; found (int32 view of the fp32 flag)
     raised to 1.0 if any of them is inf or nan."""
     scale = tl.cast(scale, tl.float32)  # a compiler may pass it as fp64: no fp64 arithmetic follows
@@ -61,6 +59,9 @@ def scale_cast_kernel(src_ptr, dst_ptr, found_ptr, n, scale, BLOCK: tl.constexpr
         limit: tl.constexpr = FP16_OVERFLOW
     else:
         limit: tl.constexpr = FP32_OVERFLOW
-    vec_max = tl.reduce(tl.reshape(tl.abs(y), [BLOCK // VEC, VEC]), 1, _max_nan)
-    bad = ~(vec_max < limit)  # true for nan too
-    tl.atomic_max(found_ptr + tl.zeros([BLOCK // VEC], tl.int32), ONE_BITS, mask=bad, sem="relaxed")
+    vec_max = tl.reshape(tl.abs(y), [BLOCK // VEC, VEC])
+    for _ in tl.static_range(VEC_LOG2):  # the max of each vector, by halving its width
+        lo, hi = tl.split(tl.reshape(vec_max, [BLOCK // VEC, vec_max.shape[1] // 2, 2]))
+        vec_max = tl.maximum(lo, hi, propagate_nan=tl.PropagateNan.ALL)
+    bad = ~(tl.reshape(vec_max, [BLOCK // VEC]) < limit)  # true for nan too
+    tl.atomic_max(found_ptr + tl.full([BLOCK // VEC], 0, tl.int32), ONE_BITS, mask=bad, sem="relaxed")
