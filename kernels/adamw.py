@@ -91,11 +91,15 @@ def _adamw_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
         return
     tk = triton_module("adamw_triton")
     config = tk.config(n)
+    # torch's lerp_ picks its formula by comparing the weight, as an fp32 scalar, with 0.5: so here, on the host
+    # (a constexpr: no branch, and no comparison a compiler could make in fp64 from an fp64 argument).
+    lerp_from_g = _round_to_dtype(lerp_weight, torch.float32) >= 0.5
     # Every scalar a float: an int (Adam's default weight_decay=0) would be typed, and specialised on, as an
     # integer, compiling another variant of the kernel.
     launch(tk.adamw_step_kernel, (-(-n // config["BLOCK"]),), param, grad, exp_avg, exp_avg_sq,
            param if out is None else out, n, decay, weight_decay, lerp_weight, beta2, one_minus_beta2,
-           neg_step_size, bias_correction2_sqrt, eps, L2=l2, HAS_OUT=out is not None, **config)
+           neg_step_size, bias_correction2_sqrt, eps, L2=l2, LERP_FROM_G=lerp_from_g, HAS_OUT=out is not None,
+           **config)
 
 
 @_adamw_step.register_fake

@@ -35,14 +35,15 @@ def config(n: int) -> dict:
 def adamw_step_kernel(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, out_ptr, n,
                       decay, weight_decay, lerp_weight, beta2, one_minus_beta2, neg_step_size,
                       bias_correction2_sqrt, eps,
-                      L2: tl.constexpr, HAS_OUT: tl.constexpr, BLOCK: tl.constexpr, INT64: tl.constexpr,
-                      INTERPRETED: tl.constexpr):
+                      L2: tl.constexpr, LERP_FROM_G: tl.constexpr, HAS_OUT: tl.constexpr, BLOCK: tl.constexpr,
+                      INT64: tl.constexpr, INTERPRETED: tl.constexpr):
     """Program i: the Adam/AdamW update of elements [i*BLOCK, (i+1)*BLOCK), in fp32, in torch's order.
 
     Scalars arrive rounded from the host's doubles exactly as torch rounds a
     Python scalar for an fp32 tensor (and are cast to fp32 here, should a
     compiler pass them as fp64). ``decay`` is 1 - lr*wd (1 when the decay is
     not decoupled); ``L2`` adds ``weight_decay * param`` to the gradient instead.
+    ``LERP_FROM_G``: the fp32 lerp weight is at least 0.5 (decided on the host).
     """
     decay = tl.cast(decay, tl.float32)
     weight_decay = tl.cast(weight_decay, tl.float32)
@@ -66,12 +67,11 @@ def adamw_step_kernel(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, out_ptr,
     if L2:
         g = g + weight_decay * p
     p = p * decay
-    # torch's lerp_: from the nearer end, which keeps it exact at weight 0 and 1. The test is made on the fp32
-    # weight, as torch makes it, so a beta1 that rounds to 0.5 picks the same formula (one branch per launch).
-    if lerp_weight < 0.5:
-        m = m + lerp_weight * (g - m)
-    else:
+    # torch's lerp_: from the nearer end, which keeps it exact at weight 0 and 1.
+    if LERP_FROM_G:
         m = g - (g - m) * (1.0 - lerp_weight)
+    else:
+        m = m + lerp_weight * (g - m)
     v = v * beta2 + one_minus_beta2 * g * g
     # IEEE sqrt and division, as torch's kernels use: plain tl.sqrt and `/` may be approximate on a GPU.
     denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
