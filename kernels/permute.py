@@ -117,7 +117,7 @@ def scatter_add_rows_op(y: torch.Tensor, index: torch.Tensor, n_rows: int) -> to
     bounds = torch.searchsorted(sorted_index, torch.arange(n_rows + 1, device=y.device, dtype=sorted_index.dtype),
                                 out_int32=not config["INT64"])
     launch(tk.segment_sum_rows_kernel, (-(-n_rows // config["ROWS"]), -(-d // config["BLOCK_D"])), y, order, bounds,
-           out, n_rows, d, **config, ROWS_LOG2=config["ROWS"].bit_length() - 1, num_warps=tk.SEGMENT_SUM_WARPS)
+           out, n_rows, d, **config, num_warps=tk.SEGMENT_SUM_WARPS)
     return out
 
 

@@ -20,15 +20,6 @@ largest count among them, rows with fewer masked off.
 
 Offsets are int32 unless the launcher sets ``INT64`` (an operand of 2**31
 elements or more).
-
-Under the interpreter the kernels use only Triton's builtins (``tl.full``;
-the largest count by halving with ``tl.split``), not
-``triton.language.standard``'s jit helpers (``tl.zeros``, ``tl.max``): those
-are compiled, not interpreted, when triton was first imported without
-``TRITON_INTERPRET`` (torch's own lazy import inside a test's PyTorch-path
-block does that), and an interpreted kernel calling one fails. ``tl.reduce``
-with a combine function of one's own would avoid that too, but the interpreter
-runs it element by element in Python.
 """
 
 import triton
@@ -67,20 +58,6 @@ def _tile(n_rows, D, ROWS: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.const
 
 
 @triton.jit
-def _largest(count, ROWS_LOG2: tl.constexpr, INTERPRETED: tl.constexpr):
-    """max(count) of the (ROWS,) counts, ROWS = 2**ROWS_LOG2."""
-    if INTERPRETED:
-        # by halving with builtins: numpy speed, and no standard-library jit helper (see the module docstring)
-        for _ in tl.static_range(ROWS_LOG2):
-            lo, hi = tl.split(tl.reshape(count, [count.shape[0] // 2, 2]))
-            count = tl.maximum(lo, hi)
-        return tl.reshape(count, [])
-    else:
-        # one block reduction; halving would give every thread all ROWS counts (ROWS loads each for narrow rows)
-        return tl.max(count, axis=0)
-
-
-@triton.jit
 def gather_rows_kernel(x_ptr, index_ptr, out_ptr, M, D, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
                        EVEN_D: tl.constexpr, INT64: tl.constexpr):
     """Program (i, j): out[rows of tile i, cols of block j] = x[index[those rows], same cols]."""
@@ -94,9 +71,8 @@ def gather_rows_kernel(x_ptr, index_ptr, out_ptr, M, D, ROWS: tl.constexpr, BLOC
 
 
 @triton.jit
-def segment_sum_rows_kernel(y_ptr, order_ptr, bounds_ptr, out_ptr, N, D, ROWS: tl.constexpr, ROWS_LOG2: tl.constexpr,
-                            BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, INT64: tl.constexpr,
-                            INTERPRETED: tl.constexpr):
+def segment_sum_rows_kernel(y_ptr, order_ptr, bounds_ptr, out_ptr, N, D, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+                            EVEN_D: tl.constexpr, INT64: tl.constexpr, INTERPRETED: tl.constexpr):
     """Program (i, j): out[n, cols of block j] = sum over k in [bounds[n], bounds[n+1]) of y[order[k], same cols],
     in fp32, for the rows n of tile i."""
     rows, row_ok, cols, col_ok = _tile(N, D, ROWS, BLOCK_D, EVEN_D, INT64)
@@ -104,11 +80,11 @@ def segment_sum_rows_kernel(y_ptr, order_ptr, bounds_ptr, out_ptr, N, D, ROWS: t
     count = tl.load(bounds_ptr + rows + 1, mask=row_ok, other=0) - first
     if not INT64:
         first, count = first.to(tl.int32), count.to(tl.int32)
-    acc = tl.full([ROWS, BLOCK_D], 0.0, tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
     sources = order_ptr + first  # each row's next source's position in order
     # Two sources per step, both loads issued before either add (the adds stay in order): a top-2 MoE
     # gives each token two, so one step's loads cover them, with one dependent index load before.
-    for _ in range(0, (_largest(count, ROWS_LOG2, INTERPRETED) + 1) // 2):
+    for _ in range(0, (tl.max(count, axis=0) + 1) // 2):
         src0 = tl.load(sources, mask=count > 0, other=0)
         src1 = tl.load(sources + 1, mask=count > 1, other=0)
         if not INT64:
