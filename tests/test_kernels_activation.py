@@ -9,13 +9,12 @@ fp16 results are judged against an fp32 reference of the same inputs
 from __future__ import annotations
 
 import contextlib
+from unittest import mock
 
 import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
-
-from unittest import mock
 
 from minipar import kernels
 from minipar.kernels.activation import gelu, swiglu

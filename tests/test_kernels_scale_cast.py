@@ -10,12 +10,11 @@ path is held to the same definition.
 from __future__ import annotations
 
 import contextlib
+from unittest import mock
 
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
-
-from unittest import mock
 
 from minipar import kernels
 from minipar.kernels.scale_cast import scale_cast_
