@@ -268,10 +268,12 @@ PROMISES: dict[str, Promise] = collections.defaultdict(Promise, {
     "add_rms_norm_fwd_kernel": Promise(max_vector_loads=6),        # x, delta, w
     # Writes the (D,) weight and bias gradients, 32 columns a program on a GPU: too short for vectors.
     "norm_grad_sum_kernel": Promise(stores_vectors=False, narrow_stores=2),
-    "row_stats_kernel": Promise(stores_vectors=False),             # writes per-row statistics only
+    "row_stats_kernel": Promise(stores_vectors=False, narrow_loads=1),  # per-row statistics; the target's logit
     "xent_loss_grad_kernel": Promise(narrow_loads=1),              # the target's logit: one element a row
-    # One program counting the valid rows and summing their losses: integer work is what it does.
-    "xent_mean_kernel": Promise(max_int_share=0.6),
+    # A bf16 source widened to fp32 is integer work (an unpack per element) against one add per source.
+    "segment_sum_rows_kernel": Promise(max_int_share=0.6),
+    # One program counting the valid rows and summing their losses, ~120 instructions: counting is integer work.
+    "xent_mean_kernel": Promise(max_int_share=0.7),
 })
 
 
