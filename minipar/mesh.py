@@ -129,12 +129,13 @@ class Mesh:
         over the world); returns this rank's as an `AxisGroup` named ``name``, freed with the mesh.
         ``backend``: the groups' own (default: the world's).
 
-        First the ranks agree (one small all-gather over the host world): a name, lists or backend that
-        differ between ranks would create groups whose names do not match their members (torch pairs
-        the i-th ``new_group`` call of every rank), so they raise ValueError on every rank, as do lists
-        that do not partition the world; no group exists then."""
+        First the ranks agree (one small all-gather over the host world): lists or a backend that
+        differ between ranks would create groups whose members are not what each rank asked for
+        (torch pairs the i-th group every rank creates), so they raise ValueError on every rank, as
+        do lists that do not partition the world; no group exists then. ``name`` is this rank's own
+        label for its group and may differ (a parameter server's "servers" and "workers")."""
         lists = _rank_lists_of(lists)
-        self.comm.check_same(f"Mesh.new_group({name!r}): the name, rank lists and backend", (name, lists, backend),
+        self.comm.check_same(f"Mesh.new_group({name!r}): the rank lists and backend", (lists, backend),
                              self.host_world, where=self.where)
         if not isinstance(lists, list) or \
                 sorted(r for ranks in lists for r in ranks) != list(range(self.world_size)):

@@ -36,6 +36,12 @@ Whole tensors keep each optimizer step identical to the single-process one for a
 (also those that look at a tensor's shape or norm); the price is balance: a server holds at
 least the largest tensor, so S is useful up to about (parameter bytes / largest tensor).
 
+A push carries, beside each gradient, whether the worker computed one (one number per tensor). A
+tensor no worker (sync) or the pushing worker (async) gave a gradient to -- a frozen parameter
+(``requires_grad=False``), an expert no token reached -- keeps ``grad=None`` on its server, so the
+optimizer skips it as it does in one process; a zero gradient would still move it (AdamW's decay,
+its momentum). One some workers used gets the mean, the others contributing zero (as DDP).
+
 Every rank builds the same model; the workers start from the servers' values (the first pull),
 like DDP starts from rank 0's. Servers run ``serve()`` until every worker has called
 ``finish()``; a worker calls ``train_step`` once per step.
@@ -90,6 +96,8 @@ class ParameterServer:
         self.is_server = mesh.rank < servers
         self.partitions = partition_by_size([p.numel() for p in self.params], servers)
         self.numels = [sum(self.params[i].numel() for i in part) for part in self.partitions]
+        # a push: the partition's gradients, one "computed" flag per tensor, the loss, the push flag
+        self.push_sizes = [n + len(part) + 2 for n, part in zip(self.numels, self.partitions)]
         self.dtype = self.params[0].dtype
 
         self.world = mesh.world
@@ -138,7 +146,7 @@ class ParameterServer:
         if self.is_server:
             raise RuntimeError(f"rank {self.mesh.rank} is a parameter server: serve() returns by itself")
         for s in self.server_ranks:
-            done = torch.zeros(self.numels[s] + 2, dtype=self.dtype, device=self.mesh.device)
+            done = torch.zeros(self.push_sizes[s], dtype=self.dtype, device=self.mesh.device)
             done[-1] = _DONE
             self.mesh.comm.send(done, s, self.world, tag="ps_done")
 
@@ -148,9 +156,10 @@ class ParameterServer:
         after it has our push, so neither side waits on the other."""
         sends = []
         for s in self.server_ranks:
-            grads = [self.params[i].grad if self.params[i].grad is not None else torch.zeros_like(self.params[i])
-                     for i in self.partitions[s]]
-            msg = _flatten(grads + [loss, loss.new_full((1,), flag)])
+            part = [self.params[i] for i in self.partitions[s]]
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in part]
+            computed = loss.new_tensor([float(p.grad is not None) for p in part])
+            msg = _flatten(grads + [computed, loss, loss.new_full((1,), flag)])
             sends.append(self.mesh.comm.send(msg, s, self.world, async_op=True, tag="ps_push"))
         headers = self._pull(sends)
         return headers[0]
@@ -188,10 +197,10 @@ class ParameterServer:
         (self._serve_sync if self.mode == "sync" else self._serve_async)()
 
     def _serve_sync(self) -> None:
-        n = self.numels[self.mesh.rank]
+        n, k = self.numels[self.mesh.rank], len(self.shard)
         # One row per worker, reused every round: the mean below is a new tensor, so the rows are
         # free again once it is taken (the .grad views point into the mean, not into the inbox).
-        inbox = torch.empty(self.n_workers, n + 2, dtype=self.dtype, device=self.mesh.device)
+        inbox = torch.empty(self.n_workers, n + k + 2, dtype=self.dtype, device=self.mesh.device)
         while True:
             works = [self.mesh.comm.recv(inbox[j], w, self.world, async_op=True, tag="ps_push")
                      for j, w in enumerate(self.worker_ranks)]
@@ -207,17 +216,17 @@ class ParameterServer:
                 raise RuntimeError("sync parameter server: some workers finished while others pushed a gradient; "
                                    "every worker must take the same number of steps")
             mean = inbox.mean(dim=0)
-            norm = self._set_grads(mean[:n])
+            norm = self._set_grads(mean[:n], (inbox[:, n:n + k] > 0).any(dim=0).tolist())
             self._step()
-            reply = self._reply(mean[n].item(), float(self.steps), norm)
+            reply = self._reply(mean[n + k].item(), float(self.steps), norm)
             sends = [self.mesh.comm.send(reply, w, self.world, async_op=True, tag="ps_pull")
                      for w in self.worker_ranks]
             for s in sends:
                 s.wait()
 
     def _serve_async(self) -> None:
-        n, W = self.numels[self.mesh.rank], self.n_workers
-        inbox = torch.empty(n + 2, dtype=self.dtype, device=self.mesh.device)
+        n, k, W = self.numels[self.mesh.rank], len(self.shard), self.n_workers
+        inbox = torch.empty(n + k + 2, dtype=self.dtype, device=self.mesh.device)
         pushes = [0] * W  # gradients applied from each worker: its step count
         finished = [False] * W
         waiting = [False] * W  # pushed, not yet answered
@@ -230,7 +239,7 @@ class ParameterServer:
                 finished[i] = True
             else:
                 self.applied.append((i, pushes[i], self.steps))
-                self._set_grads(inbox[:n] / W)
+                self._set_grads(inbox[:n] / W, (inbox[n:n + k] > 0).tolist())
                 self._step()
                 pushes[i] += 1
                 waiting[i] = True
@@ -248,13 +257,14 @@ class ParameterServer:
             if s is not None:
                 s.wait()
 
-    def _set_grads(self, flat_grad: torch.Tensor) -> float:
+    def _set_grads(self, flat_grad: torch.Tensor, computed: list[bool]) -> float:
         """Point .grad at this server's slices of ``flat_grad`` (a fresh tensor the server owns: views,
-        no copies); clip (sync) to the global norm; return the norm."""
+        no copies), None where no worker ``computed`` one (the optimizer skips it, as in one process);
+        clip (sync) to the global norm; return the norm."""
         owned = [self.params[i] for i in self.shard]
         grads, _ = _unflatten(flat_grad, owned)
-        for p, g in zip(owned, grads):
-            p.grad = g
+        for p, g, c in zip(owned, grads, computed):
+            p.grad = g if c else None
         if self.max_norm is None or self.mode == "async":
             return 0.0
         # |g|^2 = sum over servers of |g_s|^2: one all-reduce of a scalar among the servers.

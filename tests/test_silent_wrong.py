@@ -41,11 +41,11 @@ def _new_group_per_rank(ctx, per_rank: list) -> list[str]:
     [[("a", [[0], [1]])], [("a", [[1], [0]])]],
     # one rank's lists are no partition: before, it raised alone and the other created its groups
     [[("a", [[0], [1]])], [("a", [[0]])]],
-    # another name: the groups would be counted and reported under two names
-    [[("a", [[0, 1]])], [("b", [[0, 1]])]],
+    # another partition: rank 0 would build [0] and [1], rank 1 one group of both
+    [[("a", [[0], [1]])], [("a", [[0, 1]])]],
 ])
 def test_new_group_with_different_lists_is_refused_on_every_rank(pools, per_rank):
-    """Class 5. Lists, names or backends that differ between ranks raise ValueError on every rank,
+    """Class 5. Lists or backends that differ between ranks raise ValueError on every rank,
     naming the ranks and the difference, and no group is created (a later, agreed call still works).
     Before: the first case built groups silently, the second hung in torch's new_group."""
     for case in per_rank:
@@ -481,3 +481,55 @@ def test_onebit_adam_under_expert_parallelism_is_refused(pools):
     for said, calls in pools.run(2, _onebit_under_ep):
         assert said is not None and "ep=2" in said and "different experts" in said, said
         assert calls == 0
+
+
+# -- the parameter server: tensors no worker gave a gradient ---------------------------------------
+
+
+def _gpt_with_idle_parameters(cfg: dict) -> nn.Module:
+    """A GPT whose position table is frozen and which holds a Linear its forward never uses."""
+    model = GPT(GPTConfig(**cfg))
+    model.wpe.weight.requires_grad_(False)
+    model.unused = nn.Linear(cfg["n_embd"], 3)
+    with torch.no_grad():
+        model.unused.weight.fill_(0.5)
+        model.unused.bias.fill_(0.5)
+    return model
+
+
+def _ps_idle(ctx, cfg: dict, data: torch.Tensor):
+    from minipar.models import gpt_loss
+    from minipar.parameter_server import ParameterServer
+
+    model = _gpt_with_idle_parameters(cfg)
+    ps = ParameterServer(model, Mesh(), torch.optim.AdamW, servers=1, mode="sync", lr=LR, weight_decay=WD, eps=EPS)
+    if ps.is_server:
+        ps.serve()
+        return None
+    j = ctx.rank - 1
+    for s in range(data.shape[0]):
+        x = data[s, 2 * j:2 * j + 2]
+        ps.train_step(x[:, :-1], x[:, 1:], gpt_loss)
+    ps.finish()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_parameter_server_leaves_parameters_without_gradients_alone(pools):
+    """Class 7 (found in the parameter server, a copy of the model per worker): a frozen parameter
+    and one the forward never uses get no gradient; the servers leave them alone, as one process's
+    AdamW does (grad None), and every worker's model equals one process after 3 sync steps. Before:
+    the workers pushed zeros, and the servers' AdamW decayed the frozen table and the unused weight."""
+    from minipar.models import gpt_loss
+
+    cfg = dict(vocab_size=16, block_size=8, n_layer=1, n_head=2, n_embd=8, seed=9)
+    data = torch.randint(0, 16, (3, 4, 9), generator=torch.Generator().manual_seed(10))
+    reference = _gpt_with_idle_parameters(cfg)
+    opt = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=WD, eps=EPS)
+    for s in range(3):
+        gpt_loss(reference(data[s][:, :-1]), data[s][:, 1:]).backward()
+        opt.step()
+        opt.zero_grad()
+    for state in pools.run(3, _ps_idle, cfg, data)[1:]:
+        for n, p in reference.named_parameters():
+            torch.testing.assert_close(state[n], p.detach(), msg=lambda m: f"{n}: {m}")
+        assert torch.equal(state["unused.weight"], torch.full((3, 8), 0.5))
