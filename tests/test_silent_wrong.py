@@ -157,6 +157,8 @@ _CP_CFG = dict(vocab_size=16, block_size=8, n_layer=2, n_head=2, n_embd=8, dropo
     # a pipeline whose micro-batches count different numbers of tokens: a mean of their means is not
     # the mean over the batch's tokens
     (dict(pp=2), dict(microbatches=2), "half of row 0"),
+    # q, k and v from one fused projection: wired like separate ones (was refused: "no attention")
+    (dict(cp=2), dict(context_parallel="ring", fused_qkv=True), [0, 1, 6, 7]),
 ])
 def test_a_loss_that_ignores_padding_equals_one_process(pools, layout, options, ignored):
     """Classes 4c and 7 (the split of the batch into micro-batches is a split too). A user loss with
@@ -173,8 +175,10 @@ def test_a_loss_that_ignores_padding_equals_one_process(pools, layout, options, 
         y[0, :5] = -100
     else:
         y[:, ignored] = -100
-    ref_loss, ref_state = _one_step_reference(_CP_CFG, x, y)
-    for rank, (loss, state) in enumerate(pools.run(2, _train_one_step, layout, options, _CP_CFG, x, y)):
+    options = dict(options)
+    cfg = dict(_CP_CFG, fused_qkv=options.pop("fused_qkv", False))
+    ref_loss, ref_state = _one_step_reference(cfg, x, y)
+    for rank, (loss, state) in enumerate(pools.run(2, _train_one_step, layout, options, cfg, x, y)):
         assert loss == pytest.approx(ref_loss, rel=1e-5), (rank, loss, ref_loss)
         for k, v in ref_state.items():
             torch.testing.assert_close(state[k], v, msg=lambda m: f"rank {rank} {k}: {m}")
