@@ -340,3 +340,19 @@ def test_step_profile_summary_of_gpu_kernel_events():
     assert s["kernels_per_step"] == 1.5 and s["host_ms_per_step"] == pytest.approx(0.035)
     assert [k["name"] for k in s["top_kernels"]] == ["gemm", "norm"]
     assert s["top_kernels"][0]["ms_per_step"] == pytest.approx(0.03) and s["top_kernels"][0]["launches_per_step"] == 1
+
+
+def test_step_ops_counts_a_one_device_step():
+    """benchmarks/step_ops.py runs and reports the operators of one step: at 2 and 4 blocks the count
+    grows by the blocks' own operators, well under two per parameter (what minipar's bucket copies cost)."""
+    counts = {}
+    for n_layer in (2, 4):
+        out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_ops.py"), "--n-layer", str(n_layer)],
+                             capture_output=True, text=True, timeout=300,
+                             env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
+        assert out.returncode == 0, out.stderr[-3000:]
+        m = re.search(r"step_ops: (\d+) operators per step \((\d+) blocks, (\d+) parameters", out.stdout)
+        assert m, out.stdout
+        counts[n_layer] = (int(m.group(1)), int(m.group(3)))
+    more_ops, more_params = counts[4][0] - counts[2][0], counts[4][1] - counts[2][1]
+    assert 0 < more_ops < 3 * more_params, counts  # 2 blocks' ops (~34 each); the old bucket copies added 2 per parameter

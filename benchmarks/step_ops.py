@@ -1,0 +1,60 @@
+"""The host's work in one training step on one device: the operators it issues, counted on any machine.
+
+    python benchmarks/step_ops.py [--n-layer 24] [--own-loss] [--fused-qkv]
+
+On a GPU every operator below autograd is a kernel launch the host must issue; a step is fast when the
+host stays ahead of the GPU, and a step that issues two launches per parameter (400 for a 24-layer GPT)
+spends as much host time on gradient bookkeeping as on the layers. This runs the single-GPU setting of
+``benchmarks/gpt_1gpu.py`` (ZeRO-1, bf16 parameters, fp32 masters and reduction) at a tiny width on the
+CPU, and counts one step's operators with `minipar.syncs.count_launches` (views and metadata reads
+excluded; each of minipar's kernels is one custom operator). Under ``TRITON_INTERPRET=1`` the kernels
+take their GPU path; without it, PyTorch's. Prints the total, the parameter count and the operators
+issued most. (The count depends on the depth and on the options, not on the width.)
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+import minipar
+from minipar import MixedPrecision, ShardedModule
+from minipar.models import GPT, GPTConfig, gpt_loss
+from minipar.syncs import count_launches
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--n-layer", type=int, default=24)
+    ap.add_argument("--own-loss", action="store_true", help="train_step without a loss_fn: the chunked head loss")
+    ap.add_argument("--fused-qkv", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    mesh = minipar.init()
+    cfg = GPTConfig(vocab_size=256, block_size=32, n_layer=args.n_layer, n_head=2, n_embd=32, fused_qkv=args.fused_qkv)
+    model = ShardedModule(GPT(cfg), mesh=mesh, strategy="zero1",
+                          mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    opt = model.build_optimizer(torch.optim.AdamW, lr=1e-3, weight_decay=0.1)
+    x = torch.randint(0, cfg.vocab_size, (2, cfg.block_size + 1), generator=torch.Generator().manual_seed(0))
+
+    def step():
+        if args.own_loss:
+            model.train_step(x[:, :-1], x[:, 1:])
+        else:
+            model.train_step(x[:, :-1], x[:, 1:], gpt_loss)
+        model.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+    step()  # the optimizer's state is created in the first step
+    with count_launches() as ops:
+        step()
+    n_params = sum(1 for _ in model.module.parameters())
+    print(f"step_ops: {ops.total} operators per step ({args.n_layer} blocks, {n_params} parameters, "
+          f"Triton path: {minipar.kernels.use_triton(torch.empty(0))})")
+    print("most issued: " + ", ".join(f"{name} {n}" for name, n in ops.ops.most_common(10)))
+    minipar.shutdown()
+
+
+if __name__ == "__main__":
+    main()
