@@ -44,7 +44,8 @@ recomputation of its blocks in backward).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -185,7 +186,6 @@ class ContextParallel:
 
     # -- the wrap-time check ----------------------------------------------------------------------
 
-    @torch.no_grad()
     def check_token_wise(self, module: nn.Module, attns: list[nn.Module]) -> None:
         """ValueError unless ``module`` computes each token's logits from the other tokens only through
         the attention modules minipar wires (``attns``) and positions only through the modules it
@@ -196,6 +196,10 @@ class ContextParallel:
         true positions. That is what the cp ranks compute together, so the logits must be the whole
         sequence's at those positions. MoE layers run without capacity drops here (their per-rank
         routing is intended). Nothing of the model changes."""
+        with left_as_it_was(module):
+            self._compare_token_wise(module, attns)
+
+    def _compare_token_wise(self, module: nn.Module, attns: list[nn.Module]) -> None:
         config = getattr(module, "config", None)
         limit = next((getattr(config, k) for k in ("block_size", "max_position_embeddings", "n_positions")
                       if isinstance(getattr(config, k, None), int)), None)
@@ -210,11 +214,9 @@ class ContextParallel:
         seen: list[tuple[str, Any]] = []  # (module name, first tensor of its output), in call order
         hooks = [m.register_forward_hook(lambda m, a, out: seen.append((names[m], _first_tensor(out))))
                  for m in names]
-        modes = [(m, m.training) for m in module.modules()]
         moe = [(m, m.capacity_factor) for m in module.modules() if hasattr(m, "capacity_factor")
                and hasattr(m, "n_experts")]
         try:
-            module.eval()
             for m, _ in moe:  # T * k slots per expert: no token dropped, routing token by token
                 m.capacity_factor = float(m.n_experts)
             keys: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -250,8 +252,6 @@ class ContextParallel:
                 a.context_attention = None
             for m, cf in moe:
                 m.capacity_factor = cf
-            for m, mode in modes:
-                m.training = mode
             self.positions, self._armed = None, self.mesh.pp > 1
 
     def _mixing_message(self, module: nn.Module, attns: list[nn.Module], rank: int, local: torch.Tensor,
@@ -268,6 +268,25 @@ class ContextParallel:
                 "slot, as minipar.models.GPT's) and the position modules (wpe, or takes_positions = True)"
                 + (f"; not wired here: {', '.join(unknown)}" if unknown else "")
                 + ". Train this model with cp=1, or build its attention as a module minipar wires")
+
+
+@contextlib.contextmanager
+def left_as_it_was(model: nn.Module) -> Iterator[None]:
+    """Run ``model`` for a check: eval mode, no gradient; afterwards every module's training flag,
+    the statistics modules keep of their last forward (``last_*``: an MoE layer's auxiliary loss,
+    drops, counts) and the CPU random state are what they were."""
+    modes = [(m, m.training) for m in model.modules()]
+    kept = [(m, {k: v for k, v in vars(m).items() if k.startswith("last_")}) for m in model.modules()]
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            model.eval()
+            yield
+    finally:
+        for m, mode in modes:
+            m.training = mode
+        for m, values in kept:
+            vars(m).update(values)
+
 
 
 def _first_tensor(out: Any) -> Any:

@@ -45,6 +45,7 @@ from typing import Any, Sequence
 import torch
 import torch.nn as nn
 
+from ..context_parallel import left_as_it_was
 from ..mesh import Mesh
 from .schedule import holder, virtual_stage
 from .spec import StageSpec, find, gpt_spec, hidden_of, spec_for
@@ -299,7 +300,6 @@ def check_shared(model: nn.Module, spec: StageSpec) -> None:
                          "parallelism (pp=1)")
 
 
-@torch.no_grad()
 def check_cut(model: nn.Module, spec: StageSpec) -> None:
     """ValueError unless ``spec``'s stages, run one after another in this process, compute ``model``'s
     own forward (the first stage with one block, the second with the rest, so that the embedding,
@@ -313,7 +313,7 @@ def check_cut(model: nn.Module, spec: StageSpec) -> None:
     * every module without children that the model's forward runs must run in some stage (a dropout
       left out changes nothing in eval mode but trains another model).
 
-    Eval mode, no gradient; the model's modes and weights are left as they were."""
+    Eval mode, no gradient; the model is left as it was (`left_as_it_was`)."""
     blocks = find(model, spec.blocks)
     ids = spec.example if spec.example is not None else example_input(model, spec)
     batch, seq = ids.shape[:2]
@@ -335,36 +335,33 @@ def check_cut(model: nn.Module, spec: StageSpec) -> None:
               for i, b in enumerate(blocks)]
     hooks += [b.register_forward_hook(functools.partial(lambda i, _, a, out: check_shape(i, "output", out), i))
               for i, b in enumerate(blocks)]
-    modes = [(m, m.training) for m in model.modules()]
     what = type(model).__name__
     try:
-        model.eval()
-        try:
-            whole = _logits(model(ids))
-        except Exception as e:  # noqa: BLE001 -- any failure is reported as the reason
-            raise ValueError(f"pipeline stages: {what}'s own forward fails on {_shown(ids)} ({type(e).__name__}: "
-                             f"{e}), so its stages cannot be checked against it; pass StageSpec(example=...), a "
-                             "small input the model takes (batch, seq, ...)") from e
-        model_called = set(called)
-        called.clear()
-        shapes.clear()
-        cuts = [0, 1, len(blocks)] if len(blocks) > 1 else None
-        stages = [Stage(model, s, len(cuts) - 1 if cuts else 1, cuts, spec, copy_tied=False)
-                  for s in range(len(cuts) - 1 if cuts else 1)]
-        try:
-            h = ids
-            for stage in stages:
-                h = stage(h)
-            staged = _logits(h)
-        except Exception as e:  # noqa: BLE001
-            raise ValueError(f"pipeline stages: the stages cut from {what} by its StageSpec fail on {_shown(ids)} "
-                             f"({type(e).__name__}: {e}); check the spec's embed/head/block_kwargs and that "
-                             "first= / last= name every module they use (a stage holds only its own)") from e
+        with left_as_it_was(model):
+            try:
+                whole = _logits(model(ids))
+            except Exception as e:  # noqa: BLE001 -- any failure is reported as the reason
+                raise ValueError(f"pipeline stages: {what}'s own forward fails on {_shown(ids)} "
+                                 f"({type(e).__name__}: {e}), so its stages cannot be checked against it; pass "
+                                 "StageSpec(example=...), a small input the model takes (batch, seq, ...)") from e
+            model_called = set(called)
+            called.clear()
+            shapes.clear()
+            cuts = [0, 1, len(blocks)] if len(blocks) > 1 else None
+            stages = [Stage(model, s, len(cuts) - 1 if cuts else 1, cuts, spec, copy_tied=False)
+                      for s in range(len(cuts) - 1 if cuts else 1)]
+            try:
+                h = ids
+                for stage in stages:
+                    h = stage(h)
+                staged = _logits(h)
+            except Exception as e:  # noqa: BLE001
+                raise ValueError(f"pipeline stages: the stages cut from {what} by its StageSpec fail on "
+                                 f"{_shown(ids)} ({type(e).__name__}: {e}); check the spec's embed/head/block_kwargs "
+                                 "and that first= / last= name every module they use (a stage holds only its own)") from e
     finally:
         for h_ in hooks:
             h_.remove()
-        for m, mode in modes:
-            m.training = mode
     if shapes:
         i, which, shape = shapes[0]
         raise ValueError(f"pipeline stages: block {i} of {what} takes or gives hidden states of shape {shape} "
