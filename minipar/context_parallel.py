@@ -257,8 +257,8 @@ class ContextParallel:
     def _mixing_message(self, module: nn.Module, attns: list[nn.Module], rank: int, local: torch.Tensor,
                         whole: torch.Tensor, culprit: str | None) -> str:
         wired = {id(m) for a in attns for m in a.modules()}
-        unknown = [f"{n} ({type(m).__name__})" for n, m in module.named_modules()
-                   if id(m) not in wired and (isinstance(m, nn.MultiheadAttention) or "attention" in type(m).__name__.lower())]
+        unknown = [f"{n} ({type(m).__name__})" for n, m in module.named_modules() if id(m) not in wired
+                   and (isinstance(m, nn.MultiheadAttention) or "attention" in type(m).__name__.lower())]
         diff = (local.float() - whole.float()).abs().max().item() if local.shape == whole.shape else float("nan")
         return (f"context parallelism (cp={self.cp}, {self.form!r}) splits every sequence over the cp ranks, but "
                 f"{type(module).__name__} mixes tokens where minipar does not split them: run in one process, cp "

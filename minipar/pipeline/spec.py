@@ -63,12 +63,13 @@ class StageSpec:
         """ValueError unless the stages cut by this spec, run one after another, are ``model``: every
         path names a module and the blocks are an nn.ModuleList (`check_paths`); no Parameter is
         held by two parts that may land on different stages, but the declared tie
-        (`minipar.pipeline.stage.check_shared`); and, in one process on a tiny input, the stages
+        (`minipar.pipeline.cut_check.check_shared`); and, in one process on a tiny input, the stages
         compute the model's own forward on ``example`` with hidden states of ``hidden_size`` between
-        every two blocks, and run every module the model's forward runs (`minipar.pipeline.stage.check_cut`).
+        every two blocks, and run every module the model's forward runs
+        (`minipar.pipeline.cut_check.check_cut`).
         `ShardedModule` calls it before any collective; a `Stage` built by hand checks the paths only.
         Costs two forwards of two tokens; touches nothing of ``model``."""
-        from .stage import check_cut, check_shared  # (stage.py builds on this module)
+        from .cut_check import check_cut, check_shared  # (they build stages, which build on this module)
 
         self.check_paths(model)
         check_cut(model, self)  # first: a module left out is named as such, not as a stray parameter
