@@ -437,31 +437,26 @@ def _onebit_copies(ctx, layout: dict, cfg: dict, steps: int):
 _ONEBIT_CFG = dict(vocab_size=16, block_size=8, n_layer=2, n_head=2, n_embd=8, seed=6)
 
 
-def test_onebit_adam_keeps_tensor_parallel_replicas_equal(pools):
-    """Class 1, tp. Under tp=2 x dp=2, the parameters replicated over tp (norms, biases of the row-
-    parallel layers, the position table) are bitwise equal on the two tp ranks after several
-    compressed steps (with clipping), on every data-parallel rank. Before: they drifted apart from the
-    first compressed step (each tp rank's exchange compressed them within a different buffer)."""
-    results = pools.run(4, _onebit_copies, dict(tp=2), _ONEBIT_CFG, 4)
-    by = {(r["dp_rank"], r["tp_rank"]): r for r in results}
-    for dp in range(2):
-        a, b = by[(dp, 0)], by[(dp, 1)]
-        assert a["replicated"].keys() == b["replicated"].keys() and len(a["replicated"]) > 4
-        for name, value in a["replicated"].items():
-            assert torch.equal(value, b["replicated"][name]), f"dp {dp}: {name} differs between the tp ranks"
-    assert all(torch.isfinite(torch.tensor(r["losses"])).all() for r in results)
-
-
-def test_onebit_adam_keeps_the_tied_copies_of_a_pipeline_equal(pools):
-    """Class 1, pp. Under pp=2 x dp=2 with a tied embedding/head, the first stage's embedding and the
-    last stage's head are bitwise equal after several compressed steps (with clipping). Before: the
-    two copies took different compressed steps and drifted apart."""
-    results = pools.run(4, _onebit_copies, dict(pp=2), _ONEBIT_CFG, 4)
-    by = {(r["dp_rank"], r["pp_rank"]): r for r in results}
-    for dp in range(2):
-        first, last = by[(dp, 0)]["tied"], by[(dp, 1)]["tied"]
-        assert first is not None and last is not None
-        assert torch.equal(first, last), f"dp {dp}: the tied copies drifted apart by {(first - last).abs().max()}"
+@pytest.mark.parametrize("layout", [dict(tp=2), dict(pp=2), dict(pp=2, tp=2)])
+def test_onebit_adam_keeps_every_copy_of_a_parameter_equal(pools, layout):
+    """Class 1. After several compressed steps (warm-up 1, with clipping), on 4 ranks: the parameters
+    replicated over tp (norms, biases of the row-parallel layers, the position table) are bitwise
+    equal on the tp ranks of each stage and data-parallel rank, and the first stage's embedding
+    equals the last stage's tied head on each data-parallel and tp rank. Before: both kinds of copy
+    drifted apart from the first compressed step (each copy was compressed within another buffer)."""
+    results = pools.run(4, _onebit_copies, layout, _ONEBIT_CFG, 4)
+    by = {(r["pp_rank"], r["dp_rank"], r["tp_rank"]): r for r in results}
+    for (pp, dp, tp), r in by.items():
+        assert all(torch.isfinite(torch.tensor(r["losses"])))
+        if tp == 1:
+            peer = by[(pp, dp, 0)]["replicated"]
+            assert r["replicated"].keys() == peer.keys() and len(peer) > 4
+            for name, value in r["replicated"].items():
+                assert torch.equal(value, peer[name]), f"pp {pp} dp {dp}: {name} differs between the tp ranks"
+        if "pp" in layout and pp == 1:
+            first, last = by[(0, dp, tp)]["tied"], r["tied"]
+            assert first is not None and last is not None
+            assert torch.equal(first, last), f"dp {dp} tp {tp}: the tied copies differ by {(first - last).abs().max()}"
 
 
 def _onebit_under_ep(ctx):
