@@ -29,9 +29,12 @@ def _new_group_per_rank(ctx, per_rank: list) -> list[str]:
     for name, lists in per_rank[ctx.rank]:
         try:
             group = mesh.new_group(name, lists)
-            said.append(f"ok {group.name} {group.ranks}")
         except ValueError as e:
             said.append(f"refused: {e}")
+            continue
+        t = torch.ones(1)
+        mesh.comm.all_reduce(t, group)  # the group works (and both ranks are done connecting before destroy)
+        said.append(f"ok {group.name} {group.ranks} {t.item():g}")
     mesh.destroy()
     return said
 
@@ -53,7 +56,7 @@ def test_new_group_with_different_lists_is_refused_on_every_rank(pools, per_rank
     said = pools.run(2, _new_group_per_rank, per_rank, timeout=60)
     for rank, (first, after) in enumerate(said):
         assert first.startswith("refused:") and "differs between ranks" in first and "rank 1" in first, (rank, first)
-        assert after == "ok after (0, 1)", (rank, after)
+        assert after == "ok after (0, 1) 2", (rank, after)
 
 
 # -- the planner: nonsense inputs exit non-zero with the reason ------------------------------------
