@@ -188,6 +188,10 @@ class ShardedModule(nn.Module):
             self.strategy.local_accumulation = True
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.pipeline is not None:  # this rank holds one stage: a direct call would be its forward alone
+            raise ValueError("under pipeline parallelism a rank holds one stage, so calling the model runs that stage "
+                             "alone; train with train_step, and evaluate a pp=1 copy of the model loaded from "
+                             "full_state_dict()")
         if self._cast_inputs_to is not None:  # floating inputs meet parameters of the compute dtype
             dtype = self._cast_inputs_to
             args, kwargs = tree_map(lambda t: t.to(dtype) if torch.is_tensor(t) and t.is_floating_point() else t,

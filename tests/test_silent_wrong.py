@@ -254,6 +254,27 @@ class SequenceConv(nn.Module):
         return x + self.conv(x.transpose(1, 2))[..., :x.shape[1]].transpose(1, 2)
 
 
+def _direct_call_under_pp(ctx):
+    mesh = Mesh(pp=2)
+    model = ShardedModule(GPT(GPTConfig(**_CP_CFG)), mesh=mesh, microbatches=2)
+    try:
+        with mesh.comm.counting() as stats:
+            model(torch.zeros(2, 8, dtype=torch.long))
+        return None
+    except ValueError as e:
+        return str(e), len(stats.records)
+    finally:
+        mesh.destroy()
+
+
+def test_a_direct_call_under_a_pipeline_is_refused(pools):
+    """Under pipeline parallelism a rank holds one stage: ``model(x)`` would run that stage alone (the
+    first stage returned hidden states, not logits). Refused on every rank, saying how to evaluate."""
+    for out in pools.run(2, _direct_call_under_pp):
+        assert out is not None and "holds one stage" in out[0] and "full_state_dict" in out[0], out
+        assert out[1] == 0, out
+
+
 def _wrap_mixing_model(ctx, form: str, extra: str):
     mesh = Mesh(cp=2)
     model = GPT(GPTConfig(**_CP_CFG))
