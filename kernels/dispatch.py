@@ -64,10 +64,30 @@ def interpreting() -> bool:
 
 def use_triton(tensor: torch.Tensor) -> bool:
     """The dispatch rule: Triton for a CUDA tensor or under the interpreter, PyTorch otherwise, or
-    everywhere with ``MINIPAR_KERNELS=torch``."""
+    everywhere with ``MINIPAR_KERNELS=torch``. triton is an optional dependency (CPU-only machines,
+    macOS and Windows have no use for it): without it a CUDA tensor takes the PyTorch path too, and
+    asking for the interpreter is an error that says what to install."""
     if os.environ.get("MINIPAR_KERNELS", "triton").strip().lower() == "torch":
         return False
-    return tensor.is_cuda or interpreting() or _recorded is not None
+    if not (tensor.is_cuda or interpreting() or _recorded is not None):
+        return False
+    if _triton_missing() is None:
+        return True
+    if interpreting():
+        raise RuntimeError(f"TRITON_INTERPRET=1 asks for minipar's Triton kernels under the interpreter, but triton "
+                           f"cannot be imported ({_triton_missing()}): pip install 'minipar[triton]', or unset "
+                           "TRITON_INTERPRET to use the PyTorch path")
+    return False
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_missing() -> str | None:
+    """None when triton imports; otherwise why not (checked once, at the first tensor that could use it)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError as e:
+        return str(e)
+    return None
 
 
 def triton_module(name: str) -> ModuleType:
