@@ -1,0 +1,203 @@
+"""What the benchmarks share: the common flags, one timing rule, the slowest rank, tables and JSON.
+
+The timing rule, ``interleave``, is the one every benchmark here times with:
+
+* Variants run interleaved, step by step: step i of every variant runs before step i + 1 of any, and
+  the variant that goes first rotates with i (variant i mod k first), so drift of a shared machine
+  (clock, other load) hits all alike and no variant always follows the same neighbour.
+* A step starts after an untimed barrier over the world (so no rank carries the previous step's lag
+  into it) and is timed with ``time.perf_counter``, the GPU synchronised before both readings.
+* The first ``warmup`` steps are run and timed like the others and dropped from every figure
+  (allocators, lazy optimizer state, compilation).
+* A step's time is the slowest rank's: the per-rank times are max-reduced over the world once, after
+  the loop (outside anything timed).
+* Figures (`Timings`): the median of each variant's timed steps; a comparison a/b is the ratio of
+  the medians (the headline), beside the median of the per-step ratios a_i / b_i, each pair having
+  run back to back (the figure least moved by load that changes slowly).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from minipar.models import GPTConfig
+
+clock = time.perf_counter  # the tests replace it with a fake clock
+
+# The flags most benchmarks take: name -> (type, help). A script names the ones it has, with its defaults.
+FLAGS: dict[str, tuple[Any, str]] = {
+    "n_layer": (int, "transformer blocks"), "n_embd": (int, "model width"), "n_head": (int, "attention heads"),
+    "vocab": (int, "vocabulary size"), "seq": (int, "tokens per sequence (also the block size)"),
+    "batch": (int, "sequences per rank per step"), "steps": (int, "timed steps per variant"),
+    "warmup": (int, "steps per variant run first and left out of the figures"), "lr": (float, "learning rate"),
+    "seed": (int, "model and data seed"), "json": (str, "also write the figures here as JSON"),
+    "smoke": (bool, "tiny sizes and few steps: checks the script, not speed"),
+    "check": (bool, "exit 1 when a goal of the benchmark is missed"),
+}
+
+
+class _Format(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    pass
+
+
+class Flags(argparse.ArgumentParser):
+    """An ArgumentParser whose ``--smoke`` turns the ``smoke`` values into the defaults (flags given beside
+    it still win)."""
+
+    def __init__(self, doc: str | None, smoke: dict | None = None) -> None:
+        super().__init__(description=doc, formatter_class=_Format)
+        self.smoke = smoke or {}
+
+    def parse_known_args(self, args=None, namespace=None):
+        given = sys.argv[1:] if args is None else list(args)
+        if "--smoke" in given:
+            self.set_defaults(**self.smoke)
+        return super().parse_known_args(given, namespace)
+
+
+def parser(doc: str | None, *, smoke: dict | None = None, help: dict | None = None, **defaults) -> Flags:
+    """A parser with the common flags named in ``defaults`` (``steps=30`` adds ``--steps``, default 30);
+    ``help`` overrides their help texts. Script-specific flags are added to it as to any parser."""
+    ap = Flags(doc, smoke)
+    for name, default in defaults.items():
+        kind, text = FLAGS[name]
+        text = (help or {}).get(name, text)
+        flag = "--" + name.replace("_", "-")
+        if kind is bool:
+            ap.add_argument(flag, action="store_true", help=text)
+        else:
+            ap.add_argument(flag, type=kind, default=default, help=text)
+    return ap
+
+
+def gpt_config(args, **overrides) -> GPTConfig:
+    """The GPT of the model size flags (``--vocab --seq --n-layer --n-head --n-embd``)."""
+    shape = dict(vocab_size=args.vocab, block_size=args.seq, n_layer=args.n_layer, n_head=args.n_head,
+                 n_embd=args.n_embd)
+    return GPTConfig(**{**shape, **overrides})
+
+
+def tokens(seed: int, rows: int, args, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) of ``rows`` uniformly random sequences of ``args.seq + 1`` tokens drawn from ``seed``."""
+    t = torch.randint(args.vocab, (rows, args.seq + 1), generator=torch.Generator().manual_seed(seed))
+    return t[:, :-1].contiguous().to(device), t[:, 1:].contiguous().to(device)
+
+
+def sync() -> None:
+    """Wait for the GPU's queued work (nothing on a CPU), so a clock reading covers it."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def _world() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def slowest_rank(values: list[float]) -> list[float]:
+    """Each entry's largest value over the ranks of the world (a rank with nothing to report passes 0s)."""
+    if not _world():
+        return list(values)
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+@dataclass
+class Timings:
+    """What `interleave` measured: per variant, every step's seconds (the slowest rank's, warm-up steps
+    included) and what each step returned."""
+
+    seconds: dict[str, list[float]]
+    results: dict[str, list]
+    warmup: int
+
+    def timed(self, name: str) -> list[float]:
+        return self.seconds[name][self.warmup:]
+
+    def median(self, name: str) -> float:
+        return statistics.median(self.timed(name))
+
+    def ratio(self, a: str, b: str) -> float:
+        """The headline comparison: median of a over median of b."""
+        return self.median(a) / self.median(b)
+
+    def paired(self, a: str, b: str) -> list[float]:
+        """a's time over b's, step by step."""
+        return [x / y for x, y in zip(self.timed(a), self.timed(b))]
+
+    def paired_median(self, a: str, b: str) -> float:
+        return statistics.median(self.paired(a, b))
+
+
+def interleave(variants: dict[str, Callable[[int], Any]], steps: int, warmup: int = 0, *, aligned: bool = True,
+               log_every: int = 0) -> Timings:
+    """Run ``variants[name](step)`` for step 0 .. warmup + steps - 1 under the module's timing rule.
+
+    ``aligned=False`` leaves out the barrier and the reduction, for loops some ranks of the world do not
+    run (the caller then reduces with `slowest_rank`). ``log_every`` prints this rank's times (and a
+    float result, the loss) every that many steps on rank 0."""
+    names = list(variants)
+    seconds: dict[str, list[float]] = {n: [] for n in names}
+    results: dict[str, list] = {n: [] for n in names}
+    aligned = aligned and _world()
+    talk = log_every and (not _world() or dist.get_rank() == 0)
+    total = warmup + steps
+    for i in range(total):
+        k = i % len(names)
+        for name in names[k:] + names[:k]:
+            if aligned:
+                dist.barrier()
+            sync()
+            t0 = clock()
+            out = variants[name](i)
+            sync()
+            seconds[name].append(clock() - t0)
+            results[name].append(out)
+        if talk and (i % log_every == 0 or i == total - 1):
+            print(f"step {i:4d}  " + "  ".join(
+                f"{n} {seconds[n][-1] * 1e3:.1f} ms" + (f" loss {results[n][-1]:.4f}"
+                                                         if isinstance(results[n][-1], float) else "")
+                for n in names), flush=True)
+    if aligned:
+        flat = slowest_rank([s for n in names for s in seconds[n]])
+        seconds = {n: flat[j * total:(j + 1) * total] for j, n in enumerate(names)}
+    return Timings(seconds, results, warmup)
+
+
+def table(header: list[str], rows: list[list]) -> str:
+    """A markdown table."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows])
+
+
+def write_json(path: str | None, result: dict) -> None:
+    """``result`` to ``path`` (its folder made) as JSON; nothing without a path."""
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2, default=str)
+
+
+def agree(status: int) -> int:
+    """The worst exit status of any rank (rank 0 usually decides), on every rank."""
+    return int(slowest_rank([status])[0])
+
+
+def run(main: Callable[[], int | None]) -> None:
+    """Run ``main`` and exit with its status, after freeing what reference cycles hold (process groups)
+    before the interpreter's teardown."""
+    code = main()
+    gc.collect()
+    sys.exit(code or 0)
