@@ -66,16 +66,19 @@ class Flags(argparse.ArgumentParser):
         return super().parse_known_args(given, namespace)
 
 
-def parser(doc: str | None, *, smoke: dict | None = None, help: dict | None = None, **defaults) -> Flags:
-    """A parser with the common flags named in ``defaults`` (``steps=30`` adds ``--steps``, default 30);
-    ``help`` overrides their help texts. Script-specific flags are added to it as to any parser."""
-    ap = Flags(doc, smoke)
+def parser(doc: str | None, *, help: dict | None = None, **defaults) -> Flags:
+    """A parser with the common flags named in ``defaults`` (``steps=30`` adds ``--steps``, default 30;
+    ``smoke={"steps": 2, ...}`` adds ``--smoke`` standing for those values); ``help`` overrides their help
+    texts. Script-specific flags are added to it as to any parser."""
+    smoke = defaults.get("smoke")
+    ap = Flags(doc, smoke if isinstance(smoke, dict) else None)
     for name, default in defaults.items():
         kind, text = FLAGS[name]
         text = (help or {}).get(name, text)
         flag = "--" + name.replace("_", "-")
         if kind is bool:
-            ap.add_argument(flag, action="store_true", help=text)
+            ap.add_argument(flag, action="store_true", help=text + (": " + " ".join(
+                f"--{k.replace('_', '-')} {v}" for k, v in default.items()) if isinstance(default, dict) else ""))
         else:
             ap.add_argument(flag, type=kind, default=default, help=text)
     return ap
