@@ -4,85 +4,38 @@
         --steps 30 --batch 8 --model tiny --dtype fp32 --check-bubble 15 --out results]
         [--cp 2 --context-parallel ring|ulysses]
 
-By default 4 CPU processes (gloo) as tp=2 x pp=2; dp is what is left of the
-world. On GPUs NCCL is chosen, and bf16 compute (``--dtype``; default bf16 on
-CUDA, fp32 on CPU). ``--strategy`` picks the data-parallel strategy: fp32
-defaults to DDP, bf16 to ZeRO-1 (any ZeRO stage takes
-``MixedPrecision(param_dtype=bfloat16, reduce_dtype=float32)``: fp32 masters
-and gradient reduction; DDP computes in the parameters' own dtype). Data is
-the synthetic Markov "language" of ``minipar.models.data``; each batch is
-handed to ``train_step`` on the host, which checks it there and copies it to
-the device (on one GPU the step then never waits for the device).
-
-``--cp C`` adds context parallelism (``minipar.init(cp=C)``,
-``ShardedModule(context_parallel=--context-parallel)``): the C ranks of a cp
-group are given the same sequences and each keeps its tokens of them (ring:
-zig-zag, ``--seq`` a multiple of 2C; Ulysses: contiguous, ``--seq`` a multiple
-of C, and the heads per tp rank too). dp is then world / (tp x cp x pp). The
-loss is still the global batch's mean over its tokens, so the reference check
-is the same replay of the dp replicas' batches.
-
-Model presets (``--model``; ``--n-layer --n-embd --n-head --vocab --seq`` override
-any of their fields):
+By default 4 CPU processes (gloo) as tp=2 x pp=2, dp the rest of the world; on GPUs NCCL and bf16
+(``--dtype``). ``--strategy``: fp32 defaults to DDP, bf16 to ZeRO-1 with ``MixedPrecision(bf16, reduce
+fp32)``. Data: the synthetic Markov "language" of ``minipar.models.data``, handed to ``train_step`` on
+the host. ``--cp C`` adds context parallelism: the C ranks of a cp group get the same sequences and each
+keeps its tokens (ring: zig-zag, ``--seq`` a multiple of 2C; Ulysses: ``--seq`` and the heads per tp
+rank multiples of C). Presets (``--model``; ``--n-layer --n-embd --n-head --vocab --seq`` override):
 
     tiny    4 layers, n_embd 128, 4 heads, vocab 256, seq 64      (~0.8M; the CPU default)
     small   8 layers, n_embd 512, 8 heads, vocab 8192, seq 256    (~30M)
     medium  12 layers, n_embd 768, 12 heads, vocab 50304, seq 1024 (GPT-2 small, ~124M)
 
-It prints progress, then a table: median step time, tokens/s, each stage's
-busy fraction and the measured bubble beside the schedule's theory (the
-simulator's exact fraction with unit costs: (p-1)/(m+p-1) for GPipe and 1F1B), communication
-bytes per step by kind, every rank's memory, and the MFU on a GPU. The busy
-fractions and the bubble are medians over the steady steps (all but the
-first three): a stage is busy while it runs forwards and backwards, and the
-bubble is 1 - the stages' mean busy fraction over the schedule's window
-(first action of any stage to the last; clipping and the optimizer step lie
-outside any bubble). ``--check-bubble PCT`` exits 1 when the measured bubble
-differs from the theory by more than PCT percent of the theory. The theory
-assumes equal stages and free communication: where a micro-batch's forward
-takes about a millisecond (the tiny model on a CPU) the latency of each
-activation's send and receive adds visibly to the measured bubble, and where
-ranks outnumber CPU cores (the job says so) so does waiting for a core.
+Steps are timed by `harness.interleave` (the first three are warm-up). Printed: median step time,
+tokens/s, each stage's busy fraction and the measured bubble (1 - the stages' mean busy fraction over
+the schedule's window; medians over the steady steps) beside the schedule's theory (the simulator's,
+(p-1)/(m+p-1) for GPipe and 1F1B), communication per step by kind, every rank's memory, and the MFU on
+a GPU: tokens/s x (6 N + 12 n_layer seq n_embd) over world x the GPU's peak dense bf16 FLOP/s (N: the
+parameters a token is multiplied by; ``--peak-tflops`` or from the GPU's name). ``--check-bubble PCT``
+exits 1 when the bubble is further than PCT percent from the theory (which assumes equal stages and
+free communication: on a CPU each send's latency, and ranks waiting for a core, add to it).
 
-MFU = achieved FLOP/s / (world size x peak dense bf16 FLOP/s of one GPU), with
-achieved FLOP/s = tokens/s x (6 N + 12 n_layer seq n_embd): N counts the
-parameters a token is multiplied by (everything but the embedding tables,
-the LM head's weight counted even when tied, an MoE layer's experts by
-top_k / n_experts), 6 N the forward and backward matmuls, the second term
-attention's score and value matmuls (PaLM's count). The peak comes from the
-GPU's name (H100 SXM 989, H100 PCIe 756, H200 989, A100 312 TFLOP/s) or
-``--peak-tflops``; on a CPU it is n/a.
-
-Reference check: the first ``--check-steps`` steps replayed in one process,
-fp32, on the global batch; the job exits 1 if the losses differ by more than
-``--tolerance``. That strict check always compares an fp32 run of the same
-layout: under ``--dtype bf16`` the job first trains the check steps in fp32
-(DDP), then the timed bf16 run, whose losses are compared with the same
-reference at bf16's tolerance (relative 1.6e-2, torch.testing's default for
-bf16: a bf16 forward rounds every activation to 8 significant bits).
-
-Results go to OUT/gpt_tp_pp.json; the last step's timeline to OUT/trace.json
-(open in chrome://tracing or Perfetto) and, when matplotlib is installed,
-OUT/timeline.png: one row per stage (its first rank), F/B/W coloured and each
-chunk shaded, titled with that timeline's measured bubble beside the
-schedule's exact one from ``minipar.pipeline.simulate`` (unit costs, free
-communication); both are printed and kept in the JSON as "timeline_bubble".
-``--schedule`` takes every schedule of ``minipar.pipeline.SCHEDULES``;
-``--virtual-stages`` sets interleaved_1f1b's chunks per rank (default 2; the
-model needs at least pp x chunks layers: zb_v's two chunks need 2 x pp).
-
-With ``--checkpoint-dir DIR`` it saves a sharded checkpoint (``minipar.checkpoint``)
-every ``--checkpoint-every`` steps and after the last, and when started again
-resumes from the newest complete one, so a job under
-``torchrun --max-restarts=N`` survives a dead rank: torchrun restarts every
-rank and they continue from the last checkpoint, bit for bit.
+Reference check: the first ``--check-steps`` steps replayed in one process, fp32, on the global batch;
+exit 1 if the losses differ by more than ``--tolerance``. Under ``--dtype bf16`` the job first trains
+the check steps in fp32, then the bf16 run, compared with the same reference at bf16's tolerance
+(relative 1.6e-2). Results go to OUT/gpt_tp_pp.json, the last step's timeline to OUT/trace.json
+(Perfetto) and OUT/timeline.png (with matplotlib), titled with its measured and simulated bubble.
+``--virtual-stages`` sets interleaved_1f1b's chunks per rank (default 2). With ``--checkpoint-dir DIR``
+it saves a sharded checkpoint every ``--checkpoint-every`` steps and resumes from the newest complete
+one, so a job under ``torchrun --max-restarts=N`` survives a dead rank, bit for bit.
 """
 
 from __future__ import annotations
 
-import argparse
-import gc
-import json
 import os
 import resource
 import statistics
@@ -101,57 +54,50 @@ from minipar.pipeline import SCHEDULES, RankTimeline, chunks_per_rank, simulate,
 from minipar.pipeline.timeline import draw_timeline, measured_bubble
 from minipar.ring_attention import zigzag_positions
 
+if os.path.dirname(os.path.abspath(__file__)) not in sys.path:  # loaded by its path (tests/test_main_job.py)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402  (benchmarks/harness.py, beside this file)
+
 PRESETS = {
     "tiny": dict(n_layer=4, n_embd=128, n_head=4, vocab=256, seq=64),
     "small": dict(n_layer=8, n_embd=512, n_head=8, vocab=8192, seq=256),
     "medium": dict(n_layer=12, n_embd=768, n_head=12, vocab=50304, seq=1024),
 }
-# Peak dense (no sparsity) bf16 tensor-core FLOP/s per GPU, from the vendor's data sheets; the first
-# name found in torch.cuda.get_device_name() wins, so "H100 PCIe" comes before "H100".
+# Peak dense bf16 tensor-core FLOP/s per GPU (data sheets); the first name in the device's name wins.
 PEAK_BF16_FLOPS = [("H200", 989e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("A100", 312e12)]
 BF16_RTOL = 1.6e-2  # torch.testing.assert_close's default relative tolerance for bfloat16
-STEADY_FROM = 3     # the first steps warm up allocators and process groups: not timed
+STEADY_FROM = 3     # the first steps warm up allocators and process groups: not in the figures
 
 
-def parse_args() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tp", type=int, default=2)
-    ap.add_argument("--pp", type=int, default=2)
-    ap.add_argument("--dp", type=int, default=None, help="default: world / (tp * cp * pp)")
-    ap.add_argument("--cp", type=int, default=1, help="context-parallel size: the ranks that split each sequence")
-    ap.add_argument("--context-parallel", default="ring", choices=("ring", "ulysses"),
-                    help="how the cp ranks attend over the split sequence (with --cp 2 or more)")
-    ap.add_argument("--strategy", default=None, choices=("ddp", "zero1", "zero2", "zero3"),
-                    help="data-parallel strategy (default: ddp in fp32, zero1 in bf16)")
-    ap.add_argument("--schedule", default="1f1b", choices=tuple(SCHEDULES))
-    ap.add_argument("--virtual-stages", type=int, default=None,
-                    help="model chunks per rank for --schedule interleaved_1f1b (default 2); "
-                         "every other schedule has a fixed count (zb_v 2, the rest 1)")
-    ap.add_argument("--microbatches", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--batch", type=int, default=8, help="sequences per data-parallel rank per step")
-    ap.add_argument("--model", default="tiny", choices=sorted(PRESETS), help="shape preset (see above)")
-    ap.add_argument("--seq", type=int, default=None)
-    ap.add_argument("--vocab", type=int, default=None)
-    ap.add_argument("--n-layer", type=int, default=None)
-    ap.add_argument("--n-embd", type=int, default=None)
-    ap.add_argument("--n-head", type=int, default=None)
-    ap.add_argument("--dtype", default=None, choices=("fp32", "bf16"),
-                    help="default: bf16 on CUDA (fp32 with --strategy ddp), fp32 on CPU")
-    ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--check-steps", type=int, default=3)
-    ap.add_argument("--tolerance", type=float, default=1e-4, help="largest fp32 loss difference to the reference")
-    ap.add_argument("--check-bubble", type=float, default=None, metavar="PCT",
-                    help="exit 1 if the measured bubble is more than PCT percent away from the schedule's theory")
-    ap.add_argument("--peak-tflops", type=float, default=None, help="one GPU's peak bf16 TFLOP/s, for the MFU")
-    ap.add_argument("--out", default="results")
-    ap.add_argument("--checkpoint-dir", default=None, help="save checkpoints here; resume from the newest")
-    ap.add_argument("--checkpoint-every", type=int, default=10, help="steps between checkpoints (with --checkpoint-dir)")
-    ap.add_argument("--moe", action="store_true", help="mixture-of-experts MLPs (minipar.models.MoEGPT)")
-    ap.add_argument("--experts", type=int, default=4)
-    ap.add_argument("--top-k", type=int, default=2)
-    ap.add_argument("--capacity-factor", type=float, default=1.25)
-    ap.add_argument("--ep", type=int, default=None, help="expert-parallel size (splits dp); default: dp with --moe")
+def parse_args():
+    ap = harness.parser(__doc__, steps=30, batch=8, seq=None, vocab=None, n_layer=None, n_embd=None, n_head=None,
+                        lr=3e-3, help={"batch": "sequences per data-parallel rank per step"})
+    add = ap.add_argument
+    add("--tp", type=int, default=2)
+    add("--pp", type=int, default=2)
+    add("--dp", type=int, default=None, help="default: world / (tp * cp * pp)")
+    add("--cp", type=int, default=1, help="context-parallel size: the ranks that split each sequence")
+    add("--context-parallel", default="ring", choices=("ring", "ulysses"), help="how the cp ranks attend")
+    add("--strategy", default=None, choices=("ddp", "zero1", "zero2", "zero3"),
+        help="data-parallel strategy (default: ddp in fp32, zero1 in bf16)")
+    add("--schedule", default="1f1b", choices=tuple(SCHEDULES))
+    add("--virtual-stages", type=int, default=None, help="model chunks per rank for interleaved_1f1b (default 2)")
+    add("--microbatches", type=int, default=4)
+    add("--model", default="tiny", choices=sorted(PRESETS), help="shape preset (see above)")
+    add("--dtype", default=None, choices=("fp32", "bf16"), help="default: bf16 on CUDA (fp32 with ddp), fp32 on CPU")
+    add("--check-steps", type=int, default=3)
+    add("--tolerance", type=float, default=1e-4, help="largest fp32 loss difference to the reference")
+    add("--check-bubble", type=float, default=None, metavar="PCT",
+        help="exit 1 if the measured bubble is more than PCT percent away from the schedule's theory")
+    add("--peak-tflops", type=float, default=None, help="one GPU's peak bf16 TFLOP/s, for the MFU")
+    add("--out", default="results")
+    add("--checkpoint-dir", default=None, help="save checkpoints here; resume from the newest")
+    add("--checkpoint-every", type=int, default=10, help="steps between checkpoints (with --checkpoint-dir)")
+    add("--moe", action="store_true", help="mixture-of-experts MLPs (minipar.models.MoEGPT)")
+    add("--experts", type=int, default=4)
+    add("--top-k", type=int, default=2)
+    add("--capacity-factor", type=float, default=1.25)
+    add("--ep", type=int, default=None, help="expert-parallel size (splits dp); default: dp with --moe")
     args = ap.parse_args()
     for k, v in PRESETS[args.model].items():
         if getattr(args, k) is None:
@@ -182,23 +128,19 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def bf16_policy() -> MixedPrecision:
-    return MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-
-
 def strategy_of(args, dtype: str) -> str:
-    """--strategy, or the default: ZeRO-1 for bf16 (fp32 masters sharded over dp x cp, bf16 compute,
-    fp32 gradient reduction), DDP for fp32. The fp32 check run of a bf16 job keeps the job's strategy."""
+    """--strategy, or the default: ZeRO-1 for bf16 (fp32 masters sharded, bf16 compute, fp32 gradient
+    reduction), DDP for fp32. The fp32 check run of a bf16 job keeps the job's strategy."""
     return getattr(args, "strategy", None) or ("zero1" if dtype == "bf16" else "ddp")  # soak.py: no --strategy
 
 
 def build_model(build, cfg, mesh, args, dtype: str, strategy: str | None = None) -> tuple[ShardedModule, object]:
     context = getattr(args, "context_parallel", None) if mesh.cp > 1 else None  # soak.py's args have no cp
-    pipeline = dict(schedule=args.schedule, microbatches=args.microbatches,
-                    virtual_stages=getattr(args, "virtual_stages", None), record_timeline=True)
-    precision = dict(mixed_precision=bf16_policy()) if dtype == "bf16" else {}
+    precision = dict(mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)) \
+        if dtype == "bf16" else {}
     model = ShardedModule(build(cfg), mesh=mesh, strategy=strategy or strategy_of(args, dtype),
-                          context_parallel=context, **precision, **pipeline)
+                          context_parallel=context, schedule=args.schedule, microbatches=args.microbatches,
+                          virtual_stages=getattr(args, "virtual_stages", None), record_timeline=True, **precision)
     return model, model.build_optimizer(torch.optim.AdamW, lr=args.lr, weight_decay=0.1)
 
 
@@ -212,30 +154,12 @@ def train_step(model: ShardedModule, opt, x: torch.Tensor, before_step=None) -> 
     return loss
 
 
-def state_bytes(model: ShardedModule, opt) -> dict[str, int]:
-    """The params, grads and optimizer state this rank holds (taken before an optimizer step, when the
-    gradients are there: ZeRO-1 frees them after it)."""
-    return dict(model.memory_stats())  # every strategy counts the optimizer build_optimizer made
-
-
-def peak_bytes(device: torch.device) -> dict[str, int]:
-    """This rank's peak: CUDA memory allocated on a GPU, the process's resident set (torch and Python
-    included) on a CPU."""
-    mem = {}
-    if device.type == "cuda":
-        mem["peak_cuda_allocated"] = torch.cuda.max_memory_allocated(device)
-    else:
-        mem["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-    return mem
-
-
 def matmul_params(gpt: torch.nn.Module) -> int:
     """Parameters a token is multiplied by: all but the embedding tables; the LM head's weight even
     when tied (it is a matmul there); each MoE layer's experts by top_k / n_experts."""
     tables = {id(gpt.wte.weight)} | ({id(gpt.wpe.weight)} if gpt.wpe is not None else set())
     n = sum(p.numel() for p in gpt.parameters() if id(p) not in tables)
-    if gpt.lm_head.weight is gpt.wte.weight:
-        n += gpt.lm_head.weight.numel()
+    n += gpt.lm_head.weight.numel() if gpt.lm_head.weight is gpt.wte.weight else 0
     for layer in moe_layers(gpt):
         experts = sum(p.numel() for p in (layer.w1, layer.b1, layer.w2, layer.b2))
         n -= experts - experts * layer.top_k // layer.n_experts
@@ -249,10 +173,9 @@ def peak_flops(args, cpu: bool) -> tuple[float | None, str]:
     if cpu:
         return None, "n/a on CPU"
     name = torch.cuda.get_device_name()
-    for key, flops in PEAK_BF16_FLOPS:
-        if key in name:
-            return flops, f"{name}, {flops / 1e12:.0f} TFLOP/s bf16 dense"
-    return None, f"n/a: unknown GPU {name!r}; pass --peak-tflops"
+    flops = next((f for key, f in PEAK_BF16_FLOPS if key in name), None)
+    return (flops, f"{name}, {flops / 1e12:.0f} TFLOP/s bf16 dense") if flops else \
+        (None, f"n/a: unknown GPU {name!r}; pass --peak-tflops")
 
 
 def bubble_of_step(ranks: list[dict], step: int, stages: int) -> tuple[float, dict[int, float]]:
@@ -261,8 +184,7 @@ def bubble_of_step(ranks: list[dict], step: int, stages: int) -> tuple[float, di
     window = max(e for _, _, e in events) - min(s for _, s, _ in events)
     busy: dict[int, list[float]] = {s: [] for s in range(stages)}
     for r in ranks:  # every rank of a stage (its tp and dp peers) counts: their mean is the stage's
-        compute = sum(e - s for a, s, e in r["steps"][step] if a[:1] in ("F", "B", "W"))  # W: zb_h1, zb_v
-        busy[r["stage"]].append(compute / window)
+        busy[r["stage"]].append(sum(e - s for a, s, e in r["steps"][step] if a[:1] in ("F", "B", "W")) / window)
     per_stage = {s: statistics.mean(v) for s, v in busy.items()}
     return 1 - statistics.mean(per_stage.values()), per_stage
 
@@ -287,14 +209,12 @@ def main() -> int:
     args = parse_args()
     world = int(os.environ.get("WORLD_SIZE", 1))
     dp = args.dp or world // (args.tp * args.cp * args.pp)
-    ep = (args.ep or dp) if args.moe else 1  # experts spread over the data-parallel ranks
-    mesh = minipar.init(dp=args.dp, tp=args.tp, pp=args.pp, ep=ep, cp=args.cp)
+    mesh = minipar.init(dp=args.dp, tp=args.tp, pp=args.pp, ep=(args.ep or dp) if args.moe else 1, cp=args.cp)
     cpu = mesh.device.type == "cpu"
     if cpu:
         torch.set_num_threads(1)
     else:  # the fp32 check run and its reference must not round matmul inputs to TF32
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     dtype = args.dtype or ("fp32" if cpu or args.strategy == "ddp" else "bf16")  # DDP has no mixed precision
     main_rank = mesh.rank == 0
     shape = dict(vocab_size=args.vocab, block_size=args.seq, n_layer=args.n_layer, n_head=args.n_head,
@@ -303,23 +223,22 @@ def main() -> int:
         cfg = MoEGPTConfig(**shape, n_experts=args.experts, top_k=args.top_k, capacity_factor=args.capacity_factor)
         # The reference routes each rank's (each micro-batch's, each cp rank's sequence slice's) share of
         # the global batch as its own group; ring cp ranks hold zig-zag chunks, routed in that order.
-        groups = mesh.dp * (args.microbatches if mesh.pp > 1 else 1)
         order = None
         if mesh.cp > 1 and args.context_parallel == "ring":
             order = tuple(torch.cat([zigzag_positions(args.seq, mesh.cp, r) for r in range(mesh.cp)]).tolist())
-        build, ref_cfg = MoEGPT, MoEGPTConfig(**{**vars(cfg), "route_groups": groups, "route_seq_chunks": mesh.cp,
-                                                  "route_seq_order": order})
+        build, ref_cfg = MoEGPT, MoEGPTConfig(**{**vars(cfg), "route_groups": mesh.dp * (
+            args.microbatches if mesh.pp > 1 else 1), "route_seq_chunks": mesh.cp, "route_seq_order": order})
     else:
-        cfg = ref_cfg = GPTConfig(**shape)
-        build = GPT
+        build, cfg = GPT, GPTConfig(**shape)
+        ref_cfg = cfg
     full = build(cfg)
     n_params, n_matmul = sum(p.numel() for p in full.parameters()), matmul_params(full)
     del full
     if main_rank:
         kind = f"MoE GPT ({args.experts} experts, top-{args.top_k}, ep={mesh.ep})" if args.moe else "GPT"
         print(f"minipar: {kind} '{args.model}' {n_params / 1e6:.2f}M parameters on {mesh.world_size} ranks: "
-              f"dp={mesh.dp} tp={mesh.tp} pp={mesh.pp}"
-              + (f" cp={mesh.cp} ({args.context_parallel})" if mesh.cp > 1 else "") + ", "
+              f"dp={mesh.dp} tp={mesh.tp} pp={mesh.pp}" + (f" cp={mesh.cp} ({args.context_parallel})" if mesh.cp > 1
+                                                          else "") + ", "
               + (f"{args.schedule} with {args.microbatches} micro-batches, " if mesh.pp > 1 else "no pipeline, ")
               + f"{dtype}, {strategy_of(args, dtype)}, {dist.get_backend()} on {mesh.device.type}", flush=True)
 
@@ -327,18 +246,15 @@ def main() -> int:
     fp32_check_losses = None
     if dtype == "bf16" and check_steps:  # the strict reference check runs on an fp32 run of this layout
         model, opt = build_model(build, cfg, mesh, args, "fp32", strategy=strategy_of(args, dtype))
-        fp32_check_losses = []
-        for step in range(check_steps):
-            x = markov_batch(step, mesh.dp_rank, args.batch, args.seq, args.vocab)  # on the host: train_step moves it
-            fp32_check_losses.append(train_step(model, opt, x).item())
+        fp32_check_losses = [train_step(model, opt, markov_batch(s, mesh.dp_rank, args.batch, args.seq,
+                                                                 args.vocab)).item() for s in range(check_steps)]
         del model, opt
         if not cpu:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(mesh.device)
     model, opt = build_model(build, cfg, mesh, args, dtype)
 
-    losses, times, timelines, start = [], [], [], 0
-    state: dict[str, int] = {}  # the state this rank holds in the last step, before its optimizer step
+    losses, start = [], 0
     if args.checkpoint_dir:  # resume: rank 0's view of the newest complete checkpoint, on every rank
         latest = mesh.comm.all_gather_object(checkpoint.find_latest(args.checkpoint_dir), mesh.world)[0]
         if latest is not None:
@@ -351,33 +267,34 @@ def main() -> int:
                 print(f"all {args.steps} steps were done before this start; nothing to do", flush=True)
             minipar.shutdown()
             return 0
-    for step in range(start, args.steps):
+    timelines: list = []
+    state: dict[str, int] = {}  # the state this rank holds in the last step, before its optimizer step
+    counted: dict = {}
+
+    def step(i: int) -> float:
         # The cp ranks of a group share their dp_rank, so they are given the same full sequences;
-        # ShardedModule.train_step keeps each rank's tokens of them.
-        x = markov_batch(step, mesh.dp_rank, args.batch, args.seq, args.vocab)  # on the host: train_step moves it
-        last = step == args.steps - 1
-        # A barrier straight from torch.distributed, not minipar traffic: it lines the ranks' clocks up
-        # so that their timelines share an origin; it is outside the counting block.
-        dist.barrier()
-        t0 = time.perf_counter()
-        with mesh.comm.counting() as stats:
-            loss = train_step(model, opt, x, (lambda: state.update(state_bytes(model, opt))) if last else None)
-        if not cpu:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-        losses.append(loss.item())
+        # ShardedModule.train_step keeps each rank's tokens of them. The batch stays on the host.
+        t0, last = time.perf_counter(), start + i == args.steps - 1
+        x = markov_batch(start + i, mesh.dp_rank, args.batch, args.seq, args.vocab)
+        with mesh.comm.counting() as counted["stats"]:
+            loss = train_step(model, opt, x, (lambda: state.update(model.memory_stats())) if last else None)
         if mesh.pp > 1:  # this step's actions, in seconds after the aligned start
             timelines.append([(a, s - t0, e - t0) for a, s, e in model.timeline])
-        if last:
-            step_stats = stats
-        if main_rank and (step % 5 == 0 or last):
-            print(f"step {step:4d}  loss {losses[-1]:.4f}  {times[-1] * 1e3:8.1f} ms", flush=True)
-        if args.checkpoint_dir and ((step + 1) % args.checkpoint_every == 0 or last):
-            checkpoint.save(checkpoint.step_path(args.checkpoint_dir, step + 1), model, opt,
-                            extra_state={"step": step + 1, "losses": losses})
+        losses.append(loss.item())
+        return losses[-1]
 
-    status, max_diff, bf16_rel = 0, 0.0, None
-    failures = []
+    def save(i: int) -> None:
+        done = start + i + 1
+        if args.checkpoint_dir and (done % args.checkpoint_every == 0 or done == args.steps):
+            checkpoint.save(checkpoint.step_path(args.checkpoint_dir, done), model, opt,
+                            extra_state={"step": done, "losses": losses})
+
+    total = args.steps - start
+    warmup = STEADY_FROM if total > STEADY_FROM else 0
+    t = harness.interleave({"job": step}, total - warmup, warmup, log_every=5, after=save)
+    step_stats = counted["stats"]
+
+    status, max_diff, bf16_rel, failures = 0, 0.0, None, []
     if main_rank and check_steps:
         ref = reference_losses(build, ref_cfg, args, mesh.dp, mesh.device)
         checked = fp32_check_losses if fp32_check_losses is not None else losses
@@ -389,100 +306,99 @@ def main() -> int:
             if bf16_rel > BF16_RTOL:
                 failures.append(f"bf16 losses differ from the fp32 reference by {bf16_rel:.2e} relative > {BF16_RTOL}")
 
+    peak = {"peak_cuda_allocated": torch.cuda.max_memory_allocated(mesh.device)} if not cpu else \
+        {"peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # Linux reports KiB
     mine = {"rank": mesh.rank, "stage": mesh.pp_rank, "tp": mesh.tp_rank, "dp": mesh.dp_rank, "cp": mesh.cp_rank,
-            "steps": timelines[STEADY_FROM:] or timelines[-1:], "memory": {**state, **peak_bytes(mesh.device)}}
+            "steps": timelines[STEADY_FROM:] or timelines[-1:], "memory": {**state, **peak}}
     everyone = mesh.comm.all_gather_object(mine, mesh.world, tag="report")
     if main_rank:
-        p, m = mesh.pp, args.microbatches
-        median = statistics.median(times[STEADY_FROM:] if len(times) > STEADY_FROM else times)
-        tokens_per_s = mesh.dp * args.batch * args.seq / median
-        flops_per_token = 6 * n_matmul + 12 * args.n_layer * args.seq * args.n_embd
-        peak, peak_note = peak_flops(args, cpu)
-        mfu = flops_per_token * tokens_per_s / (mesh.world_size * peak) if peak else None
-        result = {"args": vars(args), "dtype": dtype, "strategy": strategy_of(args, dtype), "losses": losses, "median_step_s": median,
-                  "tokens_per_s": tokens_per_s, "flops_per_token": flops_per_token, "mfu": mfu, "peak": peak_note,
-                  "reference_max_diff": max_diff, "bf16_max_rel_diff": bf16_rel,
-                  "comm": {f"{k[0]}/{k[1]}": v for k, v in step_stats.summary().items()},
-                  "memory": {r["rank"]: r["memory"] for r in everyone}}
-        print("\n| figure | value |\n|---|---|")
-        print(f"| loss, first -> last step | {losses[0]:.3f} -> {losses[-1]:.3f} |")
-        print(f"| median step time (steps {STEADY_FROM}+) | {median * 1e3:.1f} ms |")
-        print(f"| tokens / s | {tokens_per_s:.0f} |")
-        if p > 1:
-            # the schedule's idle share with equal stages and free communication: the simulator's,
-            # which is (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v*m+p-1) interleaved, (p-1)/(3m+p-1) ZB-H1
-            chunks = chunks_per_rank(args.schedule, getattr(args, "virtual_stages", None))
-            theory = float(simulate(SCHEDULES[args.schedule](p, m, chunks))["bubble"])
-            formula = {"gpipe": "(p-1)/(m+p-1)", "1f1b": "(p-1)/(m+p-1)", "interleaved_1f1b": "(p-1)/(v*m+p-1)",
-                       "zb_h1": "(p-1)/(3m+p-1)"}.get(args.schedule, "the simulated schedule")
-            per_step = [bubble_of_step(everyone, k, p) for k in range(len(everyone[0]["steps"]))]
-            bubble = statistics.median(b for b, _ in per_step)
-            busy = {s: statistics.median(b[s] for _, b in per_step) for s in range(p)}
-            rel = (bubble - theory) / theory
-            for s in range(p):
-                print(f"| stage {s} busy fraction (median over steps) | {busy[s]:.2f} |")
-            print(f"| measured bubble (median over {len(per_step)} steps) | {bubble:.3f} beside {formula} = "
-                  f"{theory:.3f}: {rel:+.0%} |")
-            result.update(busy=busy, bubble=bubble, bubble_per_step=[b for b, _ in per_step], bubble_theory=theory,
-                          bubble_rel_diff=rel)
-            local_ranks, cores = int(os.environ.get("LOCAL_WORLD_SIZE", 1)), len(os.sched_getaffinity(0))
-            if cpu and local_ranks > cores:
-                print(f"| note | {local_ranks} ranks share {cores} CPU cores: the stages cannot all compute at "
-                      "once, so the busy fractions and the bubble include waiting for a core, not only the "
-                      "schedule's idle time |")
-                result["oversubscribed"] = {"local_ranks": local_ranks, "cores": cores}
-            if args.check_bubble is not None and abs(rel) * 100 > args.check_bubble:
-                failures.append(f"the bubble is {rel:+.0%} away from theory, beyond --check-bubble "
-                                f"{args.check_bubble:g}%")
-        else:
-            print("| busy fractions, bubble | n/a: pp=1, no pipeline |")
-        for (op, group), row in sorted(step_stats.summary().items()):
-            print(f"| {op} over {group} per step | {row['calls']} calls, {row['bytes']:,} B, wire {row['wire_bytes']:,} B |")
-        for r in everyone:
-            mem = r["memory"]
-            peak_mem = (f"peak CUDA allocated {mem['peak_cuda_allocated']:,} B" if "peak_cuda_allocated" in mem
-                        else f"peak RSS {mem['peak_rss'] / 2**20:.0f} MiB")
-            where = f"stage {r['stage']}, tp {r['tp']}, dp {r['dp']}" + (f", cp {r['cp']}" if mesh.cp > 1 else "")
-            print(f"| rank {r['rank']} ({where}) state before the step | params "
-                  f"{mem['params']:,} B, grads {mem['grads']:,} B, optimizer {mem['optimizer']:,} B; {peak_mem} |")
-        print(f"| MFU | {f'{mfu:.1%} ({peak_note})' if mfu is not None else peak_note} |")
-        if check_steps:
-            which = "an fp32 run of this layout" if dtype == "bf16" else "this run"
-            print(f"| reference check (first {check_steps} steps, {which}) | largest loss difference "
-                  f"{max_diff:.2e}: {'ok' if max_diff <= args.tolerance else 'MISMATCH'} |")
-            if bf16_rel is not None:
-                print(f"| bf16 run vs the fp32 reference | largest relative loss difference {bf16_rel:.2e} "
-                      f"(allowed {BF16_RTOL}): {'ok' if bf16_rel <= BF16_RTOL else 'MISMATCH'} |")
-        os.makedirs(args.out, exist_ok=True)
-        if p > 1:
-            # The last step's timeline, one row per stage, beside the simulator's exact bubble of the
-            # schedule (unit costs, free communication).
-            rows = [RankTimeline(r["stage"], r["rank"], r["steps"][-1]) for r in everyone]
-            chunks = chunks_per_rank(args.schedule, args.virtual_stages)
-            theory = float(simulate(SCHEDULES[args.schedule](p, m, chunks))["bubble"])
-            measured = measured_bubble(rows)
-            print(f"| bubble of the drawn timeline (last step, one rank per stage) | measured {measured:.3f} "
-                  f"beside {args.schedule}'s simulated {theory:.3f} |")
-            result["timeline_bubble"] = {"measured": measured, "theory": theory}
-            title = (f"pp={p} tp={mesh.tp} dp={mesh.dp}" + (f" cp={mesh.cp}" if mesh.cp > 1 else "")
-                     + f", {args.schedule}" + (f" v={chunks}" if chunks > 1 else "") + f", m={m}")
-            trace = write_trace(rows, os.path.join(args.out, "trace.json"))
-            png = draw_timeline(rows, os.path.join(args.out, "timeline.png"), title=title, theory_bubble=theory)
-            print(f"timeline: {trace}; {png}")
-        else:
-            print("timeline: none written (pp=1: no pipeline schedule to draw)")
-        with open(os.path.join(args.out, "gpt_tp_pp.json"), "w") as f:
-            json.dump(result, f, indent=2)
+        failures += report(args, mesh, everyone, t, losses, dtype, n_matmul, cpu, step_stats, check_steps,
+                           max_diff, bf16_rel)
         for why in failures:
             print(f"FAILED: {why}")
         status = 1 if failures else 0
-    verdict = torch.tensor([status], device=mesh.device)
-    mesh.comm.broadcast(verdict, 0, mesh.world, tag="verdict")
+    status = harness.agree(status)
     minipar.shutdown()
-    return int(verdict.item())
+    return status
+
+
+def report(args, mesh, everyone, t, losses, dtype, n_matmul, cpu, step_stats, check_steps, max_diff,
+           bf16_rel) -> list[str]:
+    """The figures table, the timeline and OUT/gpt_tp_pp.json (rank 0); the failed goals."""
+    p, m, failures = mesh.pp, args.microbatches, []
+    median = t.median("job")
+    tokens_per_s = mesh.dp * args.batch * args.seq / median
+    flops_per_token = 6 * n_matmul + 12 * args.n_layer * args.seq * args.n_embd
+    peak, peak_note = peak_flops(args, cpu)
+    mfu = flops_per_token * tokens_per_s / (mesh.world_size * peak) if peak else None
+    comm = step_stats.summary()
+    result = {"args": vars(args), "dtype": dtype, "strategy": strategy_of(args, dtype), "losses": losses,
+              "median_step_s": median, "tokens_per_s": tokens_per_s, "flops_per_token": flops_per_token, "mfu": mfu,
+              "peak": peak_note, "reference_max_diff": max_diff, "bf16_max_rel_diff": bf16_rel,
+              "comm": {f"{k[0]}/{k[1]}": v for k, v in comm.items()}, "memory": {r["rank"]: r["memory"] for r in everyone}}
+    rows = [["loss, first -> last step", f"{losses[0]:.3f} -> {losses[-1]:.3f}"],
+            [f"median step time (steps {t.warmup}+)", f"{median * 1e3:.1f} ms"], ["tokens / s", f"{tokens_per_s:.0f}"]]
+    chunks = chunks_per_rank(args.schedule, args.virtual_stages)
+    theory = float(simulate(SCHEDULES[args.schedule](p, m, chunks))["bubble"]) if p > 1 else None
+    if p > 1:
+        # the schedule's idle share with equal stages and free communication: the simulator's
+        formula = {"gpipe": "(p-1)/(m+p-1)", "1f1b": "(p-1)/(m+p-1)", "interleaved_1f1b": "(p-1)/(v*m+p-1)",
+                   "zb_h1": "(p-1)/(3m+p-1)"}.get(args.schedule, "the simulated schedule")
+        per_step = [bubble_of_step(everyone, k, p) for k in range(len(everyone[0]["steps"]))]
+        bubble = statistics.median(b for b, _ in per_step)
+        busy = {s: statistics.median(b[s] for _, b in per_step) for s in range(p)}
+        rel = (bubble - theory) / theory
+        rows += [[f"stage {s} busy fraction (median over steps)", f"{busy[s]:.2f}"] for s in range(p)]
+        rows.append([f"measured bubble (median over {len(per_step)} steps)",
+                     f"{bubble:.3f} beside {formula} = {theory:.3f}: {rel:+.0%}"])
+        result.update(busy=busy, bubble=bubble, bubble_per_step=[b for b, _ in per_step], bubble_theory=theory,
+                      bubble_rel_diff=rel)
+        local_ranks, cores = int(os.environ.get("LOCAL_WORLD_SIZE", 1)), len(os.sched_getaffinity(0))
+        if cpu and local_ranks > cores:
+            rows.append(["note", f"{local_ranks} ranks share {cores} CPU cores: the stages cannot all compute at "
+                                 "once, so the busy fractions and the bubble include waiting for a core, not only "
+                                 "the schedule's idle time"])
+            result["oversubscribed"] = {"local_ranks": local_ranks, "cores": cores}
+        if args.check_bubble is not None and abs(rel) * 100 > args.check_bubble:
+            failures.append(f"the bubble is {rel:+.0%} away from theory, beyond --check-bubble {args.check_bubble:g}%")
+    else:
+        rows.append(["busy fractions, bubble", "n/a: pp=1, no pipeline"])
+    rows += [[f"{op} over {group} per step", f"{row['calls']} calls, {row['bytes']:,} B, wire {row['wire_bytes']:,} B"]
+             for (op, group), row in sorted(comm.items())]
+    for r in everyone:
+        mem = r["memory"]
+        peak_mem = (f"peak CUDA allocated {mem['peak_cuda_allocated']:,} B" if "peak_cuda_allocated" in mem
+                    else f"peak RSS {mem['peak_rss'] / 2**20:.0f} MiB")
+        where = f"stage {r['stage']}, tp {r['tp']}, dp {r['dp']}" + (f", cp {r['cp']}" if mesh.cp > 1 else "")
+        rows.append([f"rank {r['rank']} ({where}) state before the step", f"params {mem['params']:,} B, grads "
+                     f"{mem['grads']:,} B, optimizer {mem['optimizer']:,} B; {peak_mem}"])
+    rows.append(["MFU", f"{mfu:.1%} ({peak_note})" if mfu is not None else peak_note])
+    if check_steps:
+        which = "an fp32 run of this layout" if dtype == "bf16" else "this run"
+        rows.append([f"reference check (first {check_steps} steps, {which})", f"largest loss difference "
+                     f"{max_diff:.2e}: {'ok' if max_diff <= args.tolerance else 'MISMATCH'}"])
+        if bf16_rel is not None:
+            rows.append(["bf16 run vs the fp32 reference", f"largest relative loss difference {bf16_rel:.2e} "
+                         f"(allowed {BF16_RTOL}): {'ok' if bf16_rel <= BF16_RTOL else 'MISMATCH'}"])
+    os.makedirs(args.out, exist_ok=True)
+    if p > 1:  # the last step's timeline, one row per stage, beside the simulator's exact bubble
+        drawn = [RankTimeline(r["stage"], r["rank"], r["steps"][-1]) for r in everyone]
+        measured = measured_bubble(drawn)
+        rows.append(["bubble of the drawn timeline (last step, one rank per stage)",
+                     f"measured {measured:.3f} beside {args.schedule}'s simulated {theory:.3f}"])
+        result["timeline_bubble"] = {"measured": measured, "theory": theory}
+    print("\n" + harness.table(["figure", "value"], rows))
+    if p > 1:
+        title = (f"pp={p} tp={mesh.tp} dp={mesh.dp}" + (f" cp={mesh.cp}" if mesh.cp > 1 else "")
+                 + f", {args.schedule}" + (f" v={chunks}" if chunks > 1 else "") + f", m={m}")
+        trace = write_trace(drawn, os.path.join(args.out, "trace.json"))
+        png = draw_timeline(drawn, os.path.join(args.out, "timeline.png"), title=title, theory_bubble=theory)
+        print(f"timeline: {trace}; {png}")
+    else:
+        print("timeline: none written (pp=1: no pipeline schedule to draw)")
+    harness.write_json(os.path.join(args.out, "gpt_tp_pp.json"), result)
+    return failures
 
 
 if __name__ == "__main__":
-    code = main()
-    gc.collect()  # free what reference cycles hold (process groups) before interpreter teardown
-    sys.exit(code)
+    harness.run(main)

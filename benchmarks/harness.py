@@ -145,12 +145,13 @@ class Timings:
 
 
 def interleave(variants: dict[str, Callable[[int], Any]], steps: int, warmup: int = 0, *, aligned: bool = True,
-               log_every: int = 0) -> Timings:
+               log_every: int = 0, after: Callable[[int], None] | None = None) -> Timings:
     """Run ``variants[name](step)`` for step 0 .. warmup + steps - 1 under the module's timing rule.
 
     ``aligned=False`` leaves out the barrier and the reduction, for loops some ranks of the world do not
     run (the caller then reduces with `slowest_rank`). ``log_every`` prints this rank's times (and a
-    float result, the loss) every that many steps on rank 0."""
+    float result, the loss) every that many steps on rank 0; ``after(step)`` runs untimed after each
+    step of every variant (a checkpoint)."""
     names = list(variants)
     seconds: dict[str, list[float]] = {n: [] for n in names}
     results: dict[str, list] = {n: [] for n in names}
@@ -173,6 +174,8 @@ def interleave(variants: dict[str, Callable[[int], Any]], steps: int, warmup: in
                 f"{n} {seconds[n][-1] * 1e3:.1f} ms" + (f" loss {results[n][-1]:.4f}"
                                                          if isinstance(results[n][-1], float) else "")
                 for n in names), flush=True)
+        if after is not None:
+            after(i)
     if aligned:
         flat = slowest_rank([s for n in names for s in seconds[n]])
         seconds = {n: flat[j * total:(j + 1) * total] for j, n in enumerate(names)}
