@@ -112,7 +112,8 @@ class ContextParallel:
         if not attns:
             raise ValueError(f"context parallelism (cp={mesh.cp}) found no attention to split in "
                              f"{type(module).__name__}: it needs modules with q_proj and a context_attention "
-                             "slot (minipar.models.GPT's CausalSelfAttention)")
+                             "slot (minipar.models.GPT's CausalSelfAttention); train this model with cp=1, or build "
+                             "its attention as such a module")
         for a in attns:
             if a.dropout:
                 raise ValueError(f"attention dropout ({a.dropout}) under context parallelism is not supported: "

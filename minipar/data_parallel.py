@@ -79,6 +79,10 @@ class DataParallel(nn.Module):
 
     def __init__(self, module: nn.Module, devices: Sequence[str | int | torch.device]) -> None:
         super().__init__()
+        gpus = [d for d in devices if isinstance(d, int) or torch.device(d).type == "cuda"]
+        if gpus and not torch.cuda.is_available():
+            raise ValueError(f"devices={list(devices)!r} name a GPU, but torch sees none; use CPU replicas, e.g. "
+                             "devices=['cpu', 'cpu'] (two threads of this process)")
         self.devices = [_as_device(d) for d in devices]
         if not self.devices:
             raise ValueError("DataParallel needs at least one device: pass e.g. devices=['cpu', 'cpu'] "

@@ -137,10 +137,14 @@ class Mesh:
         lists = _rank_lists_of(lists)
         self.comm.check_same(f"Mesh.new_group({name!r}): the rank lists and backend", (lists, backend),
                              self.host_world, where=self.where)
-        if not isinstance(lists, list) or \
+        # Checked after the agreement (the same answer on every rank), before torch makes any group: an
+        # empty list or a backend torch lacks fails inside torch's new_group, which then hangs the next one.
+        if not isinstance(lists, list) or not all(lists) or \
                 sorted(r for ranks in lists for r in ranks) != list(range(self.world_size)):
             raise ValueError(f"new_group({name!r}): {lists} must hold every rank of the world (0 to "
-                             f"{self.world_size - 1}) exactly once")
+                             f"{self.world_size - 1}) exactly once, in lists of at least one rank")
+        if backend not in (None, "gloo", "nccl"):
+            raise ValueError(f"new_group({name!r}): backend={backend!r}; use 'gloo' or 'nccl', or None (the world's)")
         mine = next(list(ranks) for ranks in lists if self.rank in ranks)
         pg = self._new_groups(lists, backend)
         return AxisGroup(name, tuple(mine), mine.index(self.rank), pg if len(mine) > 1 else None)

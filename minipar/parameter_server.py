@@ -332,8 +332,9 @@ def _check_config(mesh: Mesh, params: list, servers: Any, mode: str, staleness: 
                              "or pass mode='async'")
         if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
             raise ValueError(f"staleness={staleness!r} must be an integer >= 0 (or None: unbounded)")
-    if max_norm is not None and not max_norm > 0:
-        raise ValueError(f"max_norm={max_norm!r} must be > 0 (or None: no clipping)")
+    if max_norm is not None and (isinstance(max_norm, bool) or not isinstance(max_norm, (int, float))
+                                 or not max_norm > 0):
+        raise ValueError(f"max_norm={max_norm!r} must be a number > 0 (or None: no clipping)")
     if mode == "async" and params and params[0].dtype not in (torch.float32, torch.float64):
         raise ValueError(f"the async mode sends step counts beside the parameters, in their dtype: {params[0].dtype} "
                          "cannot count exactly; keep float32 parameters (cast with MixedPrecision-style autocast)")

@@ -257,7 +257,8 @@ def _write_atomic(path: Path, text: str) -> None:
 
 def read_manifest(path: Path) -> dict:
     if not path.is_dir():
-        raise CheckpointError(f"{path} is not a checkpoint directory")
+        raise CheckpointError(f"{path} is not a checkpoint directory; pass one that checkpoint.save wrote: "
+                              "find_latest(root) returns the newest complete one (None when there is none)")
     file = path / MANIFEST
     if not file.is_file():
         raise CheckpointError(f"{path} has no {MANIFEST}: its save did not finish (a torn checkpoint); "

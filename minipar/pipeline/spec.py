@@ -76,13 +76,22 @@ class StageSpec:
         check_shared(model, self)
 
     def check_paths(self, model: nn.Module) -> None:
-        """ValueError unless every path names a module of ``model`` and the blocks are an nn.ModuleList."""
+        """ValueError unless every path names a module of ``model``, the blocks are an nn.ModuleList, the
+        tied paths name parameters and hidden_size is a positive integer."""
         for path in (self.blocks,) + self.first + self.last:
             if not isinstance(find(model, path), nn.Module):
                 raise ValueError(f"stage spec: {type(model).__name__} has no module at {path!r}")
         if not isinstance(find(model, self.blocks), nn.ModuleList):
             raise ValueError(f"stage spec: {self.blocks!r} of {type(model).__name__} must be an nn.ModuleList of "
                              f"blocks, not {type(find(model, self.blocks)).__name__}")
+        for path in self.tied or ():  # (find gives None for both of two typos: they would look tied)
+            if not isinstance(find(model, path), nn.Parameter):
+                raise ValueError(f"stage spec: {type(model).__name__} has no parameter at {path!r}; name the shared "
+                                 "weight as StageSpec(tied=(embedding weight, head weight)), e.g. ('wte.weight', "
+                                 "'lm_head.weight'), or tied=None when the model shares none")
+        if isinstance(self.hidden_size, bool) or not isinstance(self.hidden_size, int) or self.hidden_size < 1:
+            raise ValueError(f"StageSpec(hidden_size={self.hidden_size!r}) must be a positive integer: the width of "
+                             "the hidden states the stages send each other")
 
     def tied_in(self, model: nn.Module) -> bool:
         """Whether ``model`` really shares one Parameter between the embedding and the head."""
