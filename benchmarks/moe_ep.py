@@ -3,93 +3,52 @@
     torchrun --nproc_per_node=2 benchmarks/moe_ep.py [--tokens 2048 --d-model 256 --d-hidden 1024
         --experts 8 --top-k 2 --capacity-factor 1.25 --steps 20 --warmup 3 --json PATH]
 
-Each of the P ranks (ep = P, gloo on CPU, one thread each) routes ``--tokens``
-tokens of its own through one `minipar.moe.MoELayer` whose E experts are split
-E/P per rank; tokens travel to their experts and back by all-to-all. The
-single-process baseline is the same layer (all E experts, same weights) on one
-rank running the global batch, P x tokens, routed as P groups so it makes the
-same capacity decisions; the other ranks wait meanwhile. Timed: forward +
-backward of ``sum(out)``. Printed:
-
-* tokens/s of both and their ratio (expert-parallel / one process): above 1 when
-  spreading the experts over P ranks pays for the all-to-all;
-* bytes each rank sent to other ranks per forward, as counted by the collective
-  layer, beside the figure the routing implies: 2 exchanges (dispatch, combine)
-  rows: those routed to experts on other ranks (dispatch) plus those received
-  from other ranks (combine), x d_model x 4 bytes, plus the counts exchange; and beside the uniform-routing estimate 2 x T k (P-1)/P x d_model x 4
-  (no drops). The first two must agree exactly (exit 1 otherwise);
-* the outputs of the two agree (exit 1 if not, beyond --tolerance).
+Each of the P ranks (ep = P) routes ``--tokens`` tokens of its own through one `minipar.moe.MoELayer`
+whose E experts are split E/P per rank. The baseline is the same layer (all experts, same weights) on
+rank 0 running the global batch, routed as P groups so it makes the same capacity decisions. Both
+forward + backward of ``sum(out)``, timed by `harness.interleave`. Printed: tokens/s of both and their
+ratio; each rank's bytes to other ranks per forward (counted by the collective layer) beside what its
+routing implies (rows sent for other ranks' experts and rows returned, x d_model x 4, plus the counts
+exchange; they must agree, exit 1 otherwise) and the uniform-routing estimate 2 T k (P-1)/P d_model 4;
+and the largest output difference (exit 1 beyond --tolerance).
 """
 
 from __future__ import annotations
 
-import argparse
-import gc
-import json
 import os
-import statistics
-import sys
-import time
 
 import torch
-import torch.distributed as dist
 
+import harness
 import minipar
 from minipar.moe import MoELayer
 
 
-def parse_args() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main() -> int:
+    ap = harness.parser(__doc__, steps=20, warmup=3, json=None)
     ap.add_argument("--tokens", type=int, default=2048, help="tokens per rank")
     ap.add_argument("--d-model", type=int, default=256)
     ap.add_argument("--d-hidden", type=int, default=1024)
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--top-k", type=int, default=2)
     ap.add_argument("--capacity-factor", type=float, default=1.25)
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--tolerance", type=float, default=1e-4)
-    ap.add_argument("--json", default=None)
-    return ap.parse_args()
-
-
-def main() -> int:
-    args = parse_args()
+    args = ap.parse_args()
     mesh = minipar.init(ep=int(os.environ.get("WORLD_SIZE", 1)))  # every rank one expert-parallel rank
     p = mesh.world_size
     torch.set_num_threads(1)
     layer_args = (args.d_model, args.d_hidden, args.experts, args.top_k, args.capacity_factor)
     ep_layer = MoELayer(*layer_args, seed=0)
     ep_layer.shard_experts(mesh.comm, mesh.group("ep"))
-    gen = torch.Generator().manual_seed(1)
-    x_global = torch.randn(p * args.tokens, args.d_model, generator=gen)
+    x_global = torch.randn(p * args.tokens, args.d_model, generator=torch.Generator().manual_seed(1))
     x_local = x_global.chunk(p)[mesh.rank].clone().requires_grad_()
-    one = None
+    one, x_one = None, x_global.clone().requires_grad_()
     if mesh.rank == 0:
         one = MoELayer(*layer_args, seed=0)
         one.route_groups = p
-        x_one = x_global.clone().requires_grad_()
-
-    def timed(fn) -> float:
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        dist.barrier()  # the slowest rank's time
-        return time.perf_counter() - t0
-
-    def ep_step():
-        ep_layer(x_local).sum().backward()
-
-    def one_step():
-        if one is not None:
-            one(x_one).sum().backward()
-
-    t_ep, t_one = [], []
-    for step in range(args.warmup + args.steps):  # interleaved, so machine noise hits both alike
-        a, b = timed(ep_step), timed(one_step)
-        if step >= args.warmup:
-            t_ep.append(a)
-            t_one.append(b)
+    t = harness.interleave({"ep": lambda i: ep_layer(x_local).sum().backward(),
+                            "one": lambda i: one is not None and one(x_one).sum().backward()},
+                           args.steps, args.warmup)
 
     # Communication of one forward, counted by the collective layer.
     with mesh.comm.counting() as stats, torch.no_grad():
@@ -109,37 +68,29 @@ def main() -> int:
     status = 0 if all(f["sent"] == f["implied"] for f in figures) else 1
     if mesh.rank == 0:
         with torch.no_grad():
-            ref = one(x_global)
-        out = torch.cat([f["out"] for f in figures])
-        diff = (out - ref).abs().max().item()
+            diff = (torch.cat([f["out"] for f in figures]) - one(x_global)).abs().max().item()
         status |= 0 if diff <= args.tolerance else 1
-        med_ep, med_one = statistics.median(t_ep), statistics.median(t_one)
-        tok = p * args.tokens
+        med_ep, med_one, tok = t.median("ep"), t.median("one"), p * args.tokens
         print(f"MoE layer: {args.experts} experts, top-{args.top_k}, capacity factor {args.capacity_factor}, "
               f"d_model {args.d_model}, d_hidden {args.d_hidden}, {args.tokens} tokens per rank, "
-              f"ep={p} ({dist.get_backend()})")
-        print("\n| figure | value |\n|---|---|")
-        print(f"| one process, {tok} tokens (fwd+bwd) | {med_one * 1e3:.1f} ms, {tok / med_one:,.0f} tokens/s |")
-        print(f"| ep={p}, {args.tokens} tokens per rank | {med_ep * 1e3:.1f} ms, {tok / med_ep:,.0f} tokens/s |")
-        print(f"| tokens/s ratio, ep={p} / one process | {med_one / med_ep:.2f} |")
-        for f in figures:
-            print(f"| rank {f['rank']} all-to-all bytes to other ranks per forward | {f['sent']:,} measured, "
-                  f"{f['implied']:,} implied by its routing ({'equal' if f['sent'] == f['implied'] else 'DIFFERENT'}); "
-                  f"uniform-routing estimate {uniform:,.0f}; {f['dropped']} assignments dropped |")
-        print(f"| outputs, ep={p} vs one process | largest difference {diff:.2e}: {'ok' if diff <= args.tolerance else 'MISMATCH'} |")
-        if args.json:
-            with open(args.json, "w") as fh:
-                json.dump({"args": vars(args), "ms_one_process": med_one * 1e3, "ms_ep": med_ep * 1e3,
-                           "ratio": med_one / med_ep,
-                           "bytes": [{k: f[k] for k in ("rank", "sent", "implied", "dropped")} for f in figures],
-                           "uniform_estimate": uniform, "max_diff": diff}, fh, indent=2)
-    verdict = torch.tensor([status])
-    mesh.comm.broadcast(verdict, 0, mesh.world, tag="verdict")
+              f"ep={p} ({torch.distributed.get_backend()})\n")
+        print(harness.table(["figure", "value"], [
+            [f"one process, {tok} tokens (fwd+bwd)", f"{med_one * 1e3:.1f} ms, {tok / med_one:,.0f} tokens/s"],
+            [f"ep={p}, {args.tokens} tokens per rank", f"{med_ep * 1e3:.1f} ms, {tok / med_ep:,.0f} tokens/s"],
+            [f"tokens/s ratio, ep={p} / one process", f"{med_one / med_ep:.2f}"]] + [
+            [f"rank {f['rank']} all-to-all bytes to other ranks per forward", f"{f['sent']:,} measured, "
+             f"{f['implied']:,} implied by its routing ({'equal' if f['sent'] == f['implied'] else 'DIFFERENT'}); "
+             f"uniform-routing estimate {uniform:,.0f}; {f['dropped']} assignments dropped"] for f in figures] + [
+            [f"outputs, ep={p} vs one process", f"largest difference {diff:.2e}: "
+                                               f"{'ok' if diff <= args.tolerance else 'MISMATCH'}"]]))
+        harness.write_json(args.json, {
+            "args": vars(args), "ms_one_process": med_one * 1e3, "ms_ep": med_ep * 1e3, "ratio": med_one / med_ep,
+            "bytes": [{k: f[k] for k in ("rank", "sent", "implied", "dropped")} for f in figures],
+            "uniform_estimate": uniform, "max_diff": diff})
+    status = harness.agree(status)
     minipar.shutdown()
-    return int(verdict.item())
+    return status
 
 
 if __name__ == "__main__":
-    code = main()
-    gc.collect()  # free what reference cycles hold (process groups) before interpreter teardown
-    sys.exit(code)
+    harness.run(main)
