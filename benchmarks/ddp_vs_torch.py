@@ -22,7 +22,6 @@ puts more weight on how each side buckets and launches its all-reduces.
 from __future__ import annotations
 
 import os
-import sys
 import time
 
 import torch
@@ -114,7 +113,7 @@ def main() -> int:
     mp_buckets = [b.flat.numel() * b.flat.element_size() for b in mp_model.strategy.buckets]
     torch_buckets = torch_bucket_info(pt_model)
     result = {
-        "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
+        "command": harness.command(),
         "torch": torch.__version__, "backend": dist.get_backend(), "device": str(device),
         "world_size": world, "threads_per_rank": torch.get_num_threads(),
         "config": {k: v for k, v in vars(args).items() if k not in ("json", "check")},

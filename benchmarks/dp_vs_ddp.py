@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 import statistics
-import sys
 import time
 
 import torch
@@ -148,7 +147,7 @@ def main() -> int:
                      "reduce (backward)": (k - 1) * param_bytes}
     loss_diff = {name: max(abs(a - b) for a, b in zip(losses[name], losses["one"])) for name in ("dp", "ddp")}
     result = {
-        "command": " ".join(["dp_vs_ddp.py"] + sys.argv[1:]), "torch": torch.__version__, "workers": k,
+        "command": harness.command(), "torch": torch.__version__, "workers": k,
         "threads_per_worker": torch.get_num_threads(), "cpu_count": os.cpu_count(), "loadavg": list(load),
         "config": {key: v for key, v in vars(args).items() if key != "json"}, "n_params": n_params,
         "param_bytes": param_bytes, "step_s": times, "median_step_s": median,

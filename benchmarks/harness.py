@@ -97,6 +97,11 @@ def tokens(seed: int, rows: int, args, device=None) -> tuple[torch.Tensor, torch
     return t[:, :-1].contiguous().to(device), t[:, 1:].contiguous().to(device)
 
 
+def command() -> str:
+    """This script's command line, for the JSON."""
+    return " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:])
+
+
 def sync() -> None:
     """Wait for the GPU's queued work (nothing on a CPU), so a clock reading covers it."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():

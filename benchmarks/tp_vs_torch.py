@@ -4,38 +4,24 @@
         --minipar-api sharded|parallelize --foreach --n-layer L --n-embd E --n-head H --vocab V
         --seq T --batch B --lr LR --seed S --json out.json --check]
 
-Every rank is one tensor-parallel rank (tp = world, dp = 1). Both sides train the same GPT (one seed,
-equal weights; embedding and head untied, since ``parallelize_module`` would silently untie them) on
-the same batches (the same on every rank) with AdamW(lr, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.1):
-
-  minipar  ``minipar.init(tp=world)``; ``--minipar-api sharded``: ``ShardedModule(GPT(cfg),
-           strategy="ddp", sequence_parallel=...)`` applying ``GPT.tp_plan``; ``parallelize``:
-           ``tensor_parallel.parallelize(GPT(cfg), mesh, model.tp_plan(...))`` alone. Loss:
-           ``vocab_parallel_cross_entropy`` on the vocab-parallel logits.
-  torch    ``parallelize_module`` with the plan of PyTorch's TP tutorial / torchtitan (`torch_tp_plan`):
-           vocab-sharded embedding (RowwiseParallel), q/k/v/fc ColwiseParallel, o_proj/proj
-           RowwiseParallel, one PrepareModuleInput per attention and MLP (their input gradient
-           all-reduced once), lm_head ColwiseParallel keeping the logits vocab-sharded for
-           ``F.cross_entropy`` under ``loss_parallel()``; with SP, SequenceParallel norms and wpe's
-           output sharded on the sequence. AdamW gets two parameter groups (DTensors, plain tensors).
-
-Timed by `harness.interleave`, each step split into forward + loss, backward and optimizer phases
-(the slowest rank's). Rank 0 prints the per-step table, the medians, their ratio (goal <= 1.00, limit
-1.25) and the paired ratios; equivalence (the losses of every step, the full parameters after the run);
-minipar's communication in one more training step, attributed to the embedding, each layer, the head
-and the loss (module hooks forward, tensor hooks on the layer boundaries backward) beside the theory
-(`theory`: two all-reduces of batch*seq*hidden per layer forward and backward, plus the embedding's
-and the LM head input's; under SP each becomes a reduce-scatter plus an all-gather, plus the small
-gradient all-reduces of the norms and row-parallel biases); and torch's collectives in the same step
-(a dispatch mode, as DTensor issues them). ``--check``: exit 1 when the ratio exceeds 1.25, the two
-trained different functions, or the communication differs from the theory.
+tp = world. Both sides train the same GPT (untied head: ``parallelize_module`` would untie it) on the
+same batches with AdamW(eps=1e-6). minipar: ``ShardedModule(GPT(cfg), strategy="ddp",
+sequence_parallel=...)`` applying ``GPT.tp_plan`` (``--minipar-api parallelize``: ``parallelize`` alone),
+``vocab_parallel_cross_entropy``; torch: ``parallelize_module`` with the TP tutorial's / torchtitan's plan
+(`torch_tp_plan`), ``F.cross_entropy`` under ``loss_parallel()``. Timed by `harness.interleave` with
+forward + loss, backward and optimizer phases. Printed: the per-step table, medians, ratio (goal <= 1.00,
+limit 1.25) and paired ratios; the losses and full parameters (the same function); minipar's collectives
+in one more step by segment (embedding, each layer, head, loss) beside `theory` (two all-reduces of
+batch*seq*hidden per layer each way plus the embedding's and the head's; under SP reduce-scatter +
+all-gather pairs and the norms' and biases' gradient all-reduces); torch's collectives in that step
+(a dispatch mode). ``--check``: exit 1 above the limit, on different functions or theory mismatch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
-import sys
 import time
 from collections import defaultdict
 
@@ -84,14 +70,28 @@ def torch_tp_plan(n_layer: int, sequence_parallel: bool) -> dict:
     return plan
 
 
-def tick(clock: list | None) -> None:
+def tick(clock: list) -> None:
     """Append the time to ``clock`` (after a GPU sync, so a phase's kernels count in it)."""
-    if clock is not None:
-        harness.sync()
-        clock.append(time.perf_counter())
+    harness.sync()
+    clock.append(time.perf_counter())
 
 
-class MiniparSide:
+class Side:
+    context = contextlib.nullcontext  # torch's: loss_parallel(), around the loss and its backward
+
+    def step(self, x, y, clock: list) -> float:
+        """One training step, ``clock`` ticked after forward + loss and after backward; the loss."""
+        with self.context():
+            loss = self.forward_loss(x, y)
+            tick(clock)
+            loss.backward()
+            tick(clock)
+        self.opt.step()
+        self.opt.zero_grad()
+        return (loss.detach().to_local() if isinstance(loss, DTensor) else loss.detach()).item()
+
+
+class MiniparSide(Side):
     def __init__(self, cfg, mesh, args, opt_kwargs: dict) -> None:
         self.comm, self.group = mesh.comm, mesh.group("tp")
         self.gpt = GPT(cfg)
@@ -107,15 +107,6 @@ class MiniparSide:
     def forward_loss(self, x, y) -> torch.Tensor:
         return vocab_parallel_cross_entropy(self.model(x), y, self.comm, self.group)
 
-    def step(self, x, y, clock=None) -> float:
-        loss = self.forward_loss(x, y)
-        tick(clock)
-        loss.backward()
-        tick(clock)
-        self.opt.step()
-        self.opt.zero_grad()
-        return loss.item()
-
     @torch.no_grad()
     def full_params(self) -> dict[str, torch.Tensor]:
         out = {}
@@ -129,7 +120,9 @@ class MiniparSide:
         return out
 
 
-class TorchSide:
+class TorchSide(Side):
+    context = staticmethod(loss_parallel)
+
     def __init__(self, cfg, device_mesh, args, opt_kwargs: dict, device) -> None:
         self.gpt = GPT(cfg).to(device)
         self.model = parallelize_module(self.gpt, device_mesh, torch_tp_plan(cfg.n_layer, args.sequence_parallel))
@@ -141,16 +134,6 @@ class TorchSide:
     def forward_loss(self, x, y) -> torch.Tensor:
         """Call inside ``loss_parallel()`` (and backward too)."""
         return F.cross_entropy(self.model(x).flatten(0, 1), y.flatten())  # logits: DTensor (b, t, V), Shard(-1)
-
-    def step(self, x, y, clock=None) -> float:
-        with loss_parallel():
-            loss = self.forward_loss(x, y)
-            tick(clock)
-            loss.backward()
-            tick(clock)
-        self.opt.step()
-        self.opt.zero_grad()
-        return (loss.detach().to_local() if isinstance(loss, DTensor) else loss.detach()).item()
 
     @torch.no_grad()
     def full_params(self) -> dict[str, torch.Tensor]:
@@ -380,7 +363,7 @@ def main() -> int:
     totals = {ph: {k: sum(r[k] for r in rows if r["phase"] == ph) for k in ("bytes", "wire_bytes", "calls")}
               for ph in ("forward", "backward", "optimizer")}
     result = {
-        "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
+        "command": harness.command(),
         "torch": torch.__version__, "backend": dist.get_backend(), "device": str(device),
         "tp": world, "threads_per_rank": torch.get_num_threads(),
         "config": {k: v for k, v in vars(args).items() if k not in ("json", "check")},
