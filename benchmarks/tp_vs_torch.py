@@ -46,6 +46,7 @@ LOSS_TOL = 1e-4    # |loss_minipar - loss_torch| over the first steps (fp32, sam
 PARAM_TOL = 1e-4   # |param difference| after the whole run (rounding differences, grown by AdamW)
 FIRST_STEPS = 3    # "the first steps" of the loss comparison
 PHASES = ("forward+loss", "backward", "optimizer")
+PHASES_COMM = ("forward", "backward", "optimizer")
 SIDES = ("minipar", "torch")
 
 
@@ -141,11 +142,10 @@ class TorchSide(Side):
 
 
 def measure_minipar_comm(side: MiniparSide, x, y) -> dict[str, dict[str, list]]:
-    """One training step of ``side`` under ``mesh.comm.counting()``, its records attributed to segments:
-    "embedding", "layer i", "head" (ln_f + lm_head), "loss/other" (forward records outside those
-    modules: the cross-entropy's) and "optimizer". Forward: module pre/post hooks mark where each
-    module's records start and end. Backward: a hook on each layer's output fires when that layer's
-    backward begins, and one on layer 0's input when it ends (what follows is the embedding's)."""
+    """One training step under ``mesh.comm.counting()``, the records attributed to segments: "embedding",
+    "layer i", "head", "loss/other" (the cross-entropy's) and "optimizer". Forward: module hooks mark where
+    each module's records start and end; backward: a hook on each layer's output fires when its backward
+    begins, one on layer 0's input when it ends (what follows is the embedding's)."""
     gpt = side.gpt
     marks: dict[str, list[tuple[int, str]]] = {"fwd": [], "bwd": []}   # (record index, segment starting there)
     stats: dict = {}
@@ -232,7 +232,7 @@ def summarize(records) -> dict[tuple[str, str], dict[str, int]]:
 def comm_table(measured, expected, n: int) -> tuple[list[dict], bool]:
     """Rows (phase, segment, op, tag, calls/bytes/wire measured and expected, match); all-match flag."""
     rows, empty = [], {"calls": 0, "bytes": 0, "wire_bytes": 0, "sizes": []}
-    for phase in ("forward", "backward", "optimizer"):
+    for phase in PHASES_COMM:
         order = ["embedding"] + [f"layer {i}" for i in range(len(expected[phase]))] + ["head", "loss/other"]
         segs = [s for s in order if s in expected[phase] or s in measured[phase]]
         for seg in segs + [s for s in measured[phase] if s not in segs]:
@@ -247,13 +247,9 @@ def comm_table(measured, expected, n: int) -> tuple[list[dict], bool]:
 
 
 class _TorchCollectives(TorchDispatchMode):
-    """Records torch's collectives (name, payload bytes) as DTensor issues them.
-
-    As ``CommDebugMode`` does, it declines ops on DTensors (NotImplemented), so DTensor desugars
-    redistributions into functional collectives on plain tensors, which are then seen here
-    (``CommDebugMode`` itself raised IndexError in its module tracker on this model, torch 2.13).
-    Payload as minipar counts it: all_reduce the tensor, reduce_scatter the full input, all_gather the
-    full output."""
+    """Records torch's collectives (op, payload bytes as minipar counts them) as DTensor issues them: as
+    ``CommDebugMode`` (which raised IndexError on this model, torch 2.13) it declines ops on DTensors, so
+    DTensor desugars redistributions into functional collectives on plain tensors, seen here."""
 
     NAMESPACES = ("_c10d_functional", "c10d_functional", "_c10d_functional_autograd", "c10d")
     COLLECTIVES = ("all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter", "all_to_all", "alltoall")
@@ -282,7 +278,7 @@ class _TorchCollectives(TorchDispatchMode):
 
 def torch_comm(side: TorchSide, x, y) -> dict:
     """torch's collectives for one training step: {phase: {op: {calls, bytes}}}."""
-    modes = {phase: _TorchCollectives() for phase in ("forward", "backward", "optimizer")}
+    modes = {phase: _TorchCollectives() for phase in PHASES_COMM}
     try:
         with loss_parallel():
             with modes["forward"]:
@@ -295,12 +291,9 @@ def torch_comm(side: TorchSide, x, y) -> dict:
         return {"note": f"counting torch's collectives failed: {type(e).__name__}: {e}"}
     finally:
         side.opt.zero_grad()
-    out: dict = {phase: {} for phase in modes}
-    for phase, mode in modes.items():
-        for op, b in mode.records:
-            row = out[phase].setdefault(op, {"calls": 0, "bytes": 0})
-            row["calls"], row["bytes"] = row["calls"] + 1, row["bytes"] + b
-    return out
+    return {phase: {op: {"calls": sum(1 for o, _ in mode.records if o == op),
+                         "bytes": sum(b for o, b in mode.records if o == op)} for op, _ in mode.records}
+            for phase, mode in modes.items()}
 
 
 def main() -> int:
@@ -317,7 +310,6 @@ def main() -> int:
     device = mesh.device
     if device.type != "cuda":
         torch.set_num_threads(1)
-    rank = dist.get_rank()
     cfg = harness.gpt_config(args, tie_weights=False, seed=args.seed)
     # eps=1e-6, not 1e-8: AdamW's g / (sqrt(v) + eps) turns gradients that are pure rounding noise (the
     # k_proj bias's gradient is exactly zero in exact arithmetic: softmax ignores a per-query constant)
@@ -326,8 +318,7 @@ def main() -> int:
                                                                                      else {}))
     mp = MiniparSide(cfg, mesh, args, opt_kwargs)
     pt = TorchSide(cfg, init_device_mesh(device.type, (world,)), args, opt_kwargs, device)
-    n_params = sum(p.numel() for p in GPT(cfg).parameters())
-    local_params = sum(p.numel() for p in mp.gpt.parameters())
+    n_params, local_params = sum(p.numel() for p in GPT(cfg).parameters()), sum(p.numel() for p in mp.gpt.parameters())
     batches = [harness.tokens(args.seed * 1_000_003 + s, args.batch, args, device)
                for s in range(args.warmup + args.steps + 1)]  # the last: one more step, its communication counted
 
@@ -340,13 +331,11 @@ def main() -> int:
 
     t_start = time.perf_counter()
     t = harness.interleave({"minipar": lambda i: step(mp, i), "torch": lambda i: step(pt, i)}, args.steps, args.warmup)
-    wall = time.perf_counter() - t_start
-    times = {s: t.timed(s) for s in SIDES}
+    wall, times = time.perf_counter() - t_start, {s: t.timed(s) for s in SIDES}
     phases = harness.slowest_rank([p for s in SIDES for _, ph in t.results[s][args.warmup:] for p in ph])
     phases = torch.tensor(phases, dtype=torch.float64).view(2, args.steps, len(PHASES))
     phase_med = {s: {ph: statistics.median(phases[j, :, k].tolist()) for k, ph in enumerate(PHASES)}
                  for j, s in enumerate(SIDES)}
-
     rows, comm_ok = comm_table(measure_minipar_comm(mp, *batches[-1]), theory(args, world), world)
     torch_counts = torch_comm(pt, *batches[-1])
     full_a, full_b = mp.full_params(), pt.full_params()
@@ -357,18 +346,17 @@ def main() -> int:
     loss_diffs = [abs(a - b) for a, b in zip(losses["minipar"], losses["torch"])]
     first_diff, all_diff = max(loss_diffs[:FIRST_STEPS]), max(loss_diffs)
     same_function = sorted(full_a) == sorted(full_b) and first_diff <= LOSS_TOL and param_diff <= PARAM_TOL
-    ratio, pair = t.ratio("minipar", "torch"), t.paired("minipar", "torch")
+    med, ratio, pair = {s: t.median(s) for s in SIDES}, t.ratio("minipar", "torch"), t.paired("minipar", "torch")
     q = statistics.quantiles(pair, n=4) if len(pair) >= 2 else [pair[0]] * 3
     ratio_ok = ratio <= RATIO_LIMIT
     totals = {ph: {k: sum(r[k] for r in rows if r["phase"] == ph) for k in ("bytes", "wire_bytes", "calls")}
-              for ph in ("forward", "backward", "optimizer")}
+              for ph in PHASES_COMM}
     result = {
-        "command": harness.command(),
-        "torch": torch.__version__, "backend": dist.get_backend(), "device": str(device),
-        "tp": world, "threads_per_rank": torch.get_num_threads(),
+        "command": harness.command(), "torch": torch.__version__, "backend": dist.get_backend(),
+        "device": str(device), "tp": world, "threads_per_rank": torch.get_num_threads(),
         "config": {k: v for k, v in vars(args).items() if k not in ("json", "check")},
         "tie_weights": False, "n_params": n_params, "params_per_rank": local_params, "step_s": times,
-        "median_step_s": {s: t.median(s) for s in SIDES}, "median_phase_s_slowest_rank": phase_med,
+        "median_step_s": med, "median_phase_s_slowest_rank": phase_med,
         "ratio_minipar_over_torch": ratio, "ratio_goal": RATIO_GOAL, "ratio_limit": RATIO_LIMIT, "ratio_ok": ratio_ok,
         "pair_ratio_median": t.paired_median("minipar", "torch"), "pair_ratio_quartiles": q,
         "pair_ratio_min_max": [min(pair), max(pair)], "losses": losses,
@@ -376,44 +364,42 @@ def main() -> int:
         "max_abs_loss_diff_all_steps": all_diff, "max_abs_param_diff": param_diff, "max_abs_param_diff_at": worst_param,
         "max_abs_param": max_param, "same_function": same_function, "minipar_comm": rows,
         "minipar_comm_totals": totals, "minipar_comm_matches_theory": comm_ok, "torch_comm_counts": torch_counts,
-        "wall_s": wall,
-    }
-    if rank == 0:
-        report(result, args, world, opt_kwargs, t)
+        "wall_s": wall}
+    if dist.get_rank() == 0:
+        api = ("ShardedModule(strategy='ddp') applying GPT.tp_plan" if args.minipar_api == "sharded"
+               else "tensor_parallel.parallelize(GPT.tp_plan)")
+        print(f"minipar TP vs torch TP (DTensor): tp={world}{' + sequence parallel' if args.sequence_parallel else ''}, "
+              f"{dist.get_backend()} on {device}, {torch.get_num_threads()} thread(s)/rank, torch {torch.__version__}")
+        print(f"minipar: {api}; torch: parallelize_module; AdamW(foreach={opt_kwargs.get('foreach')}) on both")
+        print(f"GPT n_layer={args.n_layer} n_embd={args.n_embd} n_head={args.n_head} vocab={args.vocab} seq={args.seq} "
+              f"batch={args.batch} (untied head): {n_params:,} parameters, {local_params:,} per rank; "
+              f"{args.warmup} warm-up + {args.steps} timed steps each\n")
+        timed_losses = [losses[s][args.warmup:] for s in SIDES]
+        print(harness.table(["step", "minipar ms", "torch ms", "ratio", "loss minipar", "loss torch"], [
+            [i, f"{a * 1e3:.2f}", f"{b * 1e3:.2f}", f"{a / b:.3f}", f"{la:.6f}", f"{lb:.6f}"]
+            for i, (a, b, la, lb) in enumerate(zip(times["minipar"], times["torch"], *timed_losses))]))
+        print(f"\nmedian step: minipar {med['minipar'] * 1e3:.2f} ms, torch {med['torch'] * 1e3:.2f} ms")
+        print(f"ratio minipar/torch (of medians): {ratio:.3f}  (goal <= {RATIO_GOAL:.2f}, limit {RATIO_LIMIT:.2f}: "
+              f"{'OK' if ratio_ok else 'OVER'})")
+        print(f"per-step paired ratios: median {result['pair_ratio_median']:.3f}, quartiles {q[0]:.3f} .. {q[2]:.3f}, "
+              f"range {min(pair):.3f} .. {max(pair):.3f}")
+        print("median per phase (slowest rank), ms: " + "; ".join(
+            f"{ph} minipar {phase_med['minipar'][ph] * 1e3:.1f} / torch {phase_med['torch'][ph] * 1e3:.1f}"
+            for ph in PHASES))
+        print(f"\nequivalence: max |loss_minipar - loss_torch| over the first {result['first_steps']} steps "
+              f"{first_diff:.3e}, over all {len(loss_diffs)} steps {all_diff:.3e}; max |param difference| after the "
+              f"run {param_diff:.3e} (at {worst_param}; largest |param| {max_param:.3g}) -> "
+              f"{'same function' if same_function else 'DIFFERENT'}")
+        report_comm(args, world, rows, totals, comm_ok, torch_counts)
+        print(f"\nwall time of the training loops: {wall:.1f} s")
         harness.write_json(args.json, result)
     dist.barrier()
     minipar.shutdown()
     return 1 if args.check and not (ratio_ok and same_function and comm_ok) else 0
 
 
-def report(res: dict, args, world: int, opt_kwargs: dict, t: harness.Timings) -> None:
-    api = ("ShardedModule(strategy='ddp') applying GPT.tp_plan" if args.minipar_api == "sharded"
-           else "tensor_parallel.parallelize(GPT.tp_plan)")
-    print(f"minipar TP vs torch TP (DTensor): tp={world}{' + sequence parallel' if args.sequence_parallel else ''}, "
-          f"{res['backend']} on {res['device']}, {res['threads_per_rank']} thread(s)/rank, torch {torch.__version__}")
-    print(f"minipar: {api}; torch: parallelize_module; AdamW(foreach={opt_kwargs.get('foreach')}) on both")
-    print(f"GPT n_layer={args.n_layer} n_embd={args.n_embd} n_head={args.n_head} vocab={args.vocab} seq={args.seq} "
-          f"batch={args.batch} (untied head): {res['n_params']:,} parameters, {res['params_per_rank']:,} per rank; "
-          f"{args.warmup} warm-up + {args.steps} timed steps each\n")
-    times, losses = res["step_s"], {s: v[args.warmup:] for s, v in res["losses"].items()}
-    print(harness.table(["step", "minipar ms", "torch ms", "ratio", "loss minipar", "loss torch"], [
-        [i, f"{a * 1e3:.2f}", f"{b * 1e3:.2f}", f"{a / b:.3f}", f"{la:.6f}", f"{lb:.6f}"] for i, (a, b, la, lb) in
-        enumerate(zip(times["minipar"], times["torch"], losses["minipar"], losses["torch"]))]))
-    med, q, pair = res["median_step_s"], res["pair_ratio_quartiles"], res["pair_ratio_min_max"]
-    print(f"\nmedian step: minipar {med['minipar'] * 1e3:.2f} ms, torch {med['torch'] * 1e3:.2f} ms")
-    print(f"ratio minipar/torch (of medians): {res['ratio_minipar_over_torch']:.3f}  (goal <= {RATIO_GOAL:.2f}, "
-          f"limit {RATIO_LIMIT:.2f}: {'OK' if res['ratio_ok'] else 'OVER'})")
-    print(f"per-step paired ratios: median {res['pair_ratio_median']:.3f}, quartiles {q[0]:.3f} .. {q[2]:.3f}, "
-          f"range {pair[0]:.3f} .. {pair[1]:.3f}")
-    pm = res["median_phase_s_slowest_rank"]
-    print("median per phase (slowest rank), ms: " + "; ".join(
-        f"{ph} minipar {pm['minipar'][ph] * 1e3:.1f} / torch {pm['torch'][ph] * 1e3:.1f}" for ph in PHASES))
-    print(f"\nequivalence: max |loss_minipar - loss_torch| over the first {res['first_steps']} steps "
-          f"{res['max_abs_loss_diff_first_steps']:.3e}, over all {len(res['losses']['torch'])} steps "
-          f"{res['max_abs_loss_diff_all_steps']:.3e}; max |param difference| after the run "
-          f"{res['max_abs_param_diff']:.3e} (at {res['max_abs_param_diff_at']}; largest |param| "
-          f"{res['max_abs_param']:.3g}) -> {'same function' if res['same_function'] else 'DIFFERENT'}")
-    act, rows = args.batch * args.seq * args.n_embd * 4, res["minipar_comm"]
+def report_comm(args, world: int, rows: list[dict], totals: dict, comm_ok: bool, torch_counts: dict) -> None:
+    act = args.batch * args.seq * args.n_embd * 4
     print(f"\nminipar communication in one more training step (forward + loss, backward, optimizer), tp={world} "
           f"(activation = batch*seq*hidden*4 B = {act:,} B):")
     print(harness.table(["phase", "segment", "op", "tag", "calls", "bytes", "wire", "theory calls", "theory bytes",
@@ -421,26 +407,23 @@ def report(res: dict, args, world: int, opt_kwargs: dict, t: harness.Timings) ->
                         [[r["phase"], r["segment"], r["op"], r["tag"], r["calls"], f"{r['bytes']:,}",
                           f"{r['wire_bytes']:,}", r["expected_calls"], f"{r['expected_bytes']:,}",
                           f"{r['expected_wire_bytes']:,}", "yes" if r["match"] else "NO"] for r in rows]))
-    for ph, tt in res["minipar_comm_totals"].items():
+    for ph, tt in totals.items():
         print(f"  {ph} total: {tt['calls']} calls, {tt['bytes']:,} B payload, {tt['wire_bytes']:,} B on the "
               f"wire ({tt['wire_bytes'] / act:.3f} activations)")
-    print(f"  measured == theory, every segment, op, call and byte: "
-          f"{'yes, exactly' if res['minipar_comm_matches_theory'] else 'NO'}")
-    torch_counts = res["torch_comm_counts"]
+    print(f"  measured == theory, every segment, op, call and byte: {'yes, exactly' if comm_ok else 'NO'}")
     if "note" in torch_counts:
         print(f"torch collectives: {torch_counts['note']}")
-    else:
-        print("torch's collectives in the same step (DTensor's redistributions), beside minipar's:")
-        for ph in ("forward", "backward", "optimizer"):
-            ops = sorted(set(torch_counts[ph]) | {r["op"] for r in rows if r["phase"] == ph and r["calls"]})
-            for op in ops:
-                row = torch_counts[ph].get(op, {"calls": 0, "bytes": 0})
-                mine = [r for r in rows if r["phase"] == ph and r["op"] == op]
-                print(f"  {ph:<9} {op:<14} torch {row['calls']:>3} calls {row['bytes']:>11,} B   minipar "
-                      f"{sum(r['calls'] for r in mine):>3} calls {sum(r['bytes'] for r in mine):>11,} B")
-            if not ops:
-                print(f"  {ph:<9} none on either side")
-    print(f"\nwall time of the training loops: {res['wall_s']:.1f} s")
+        return
+    print("torch's collectives in the same step (DTensor's redistributions), beside minipar's:")
+    for ph in PHASES_COMM:
+        ops = sorted(set(torch_counts[ph]) | {r["op"] for r in rows if r["phase"] == ph and r["calls"]})
+        for op in ops:
+            row = torch_counts[ph].get(op, {"calls": 0, "bytes": 0})
+            mine = [r for r in rows if r["phase"] == ph and r["op"] == op]
+            print(f"  {ph:<9} {op:<14} torch {row['calls']:>3} calls {row['bytes']:>11,} B   minipar "
+                  f"{sum(r['calls'] for r in mine):>3} calls {sum(r['bytes'] for r in mine):>11,} B")
+        if not ops:
+            print(f"  {ph:<9} none on either side")
 
 
 if __name__ == "__main__":
