@@ -3,11 +3,9 @@
     python benchmarks/activation_checkpointing.py [--n-layer 8 --n-embd 256 --seq 256 --batch 8 --steps 10]
     torchrun --nproc_per_node=2 benchmarks/activation_checkpointing.py --strategy zero3
 
-The same GPT trained with and without ``ShardedModule(activation_checkpointing=True)`` (each block
-recomputed in backward), timed by `harness.interleave` (one warm-up step). Activation memory is what
-autograd keeps for backward (`minipar.recompute.ActivationMemory`, parameters excluded): after forward
-and at its peak in backward, and on CUDA the allocator's peak. Expect the after-forward figure to drop
-to about the blocks' inputs, the peak to that plus one block's activations, the step to cost ~1.3x.
+The GPT with and without ``activation_checkpointing=True``, timed by `harness.interleave`: what autograd
+keeps (`minipar.recompute.ActivationMemory`) after forward and at its peak, the allocator's peak on CUDA,
+the median step (expect ~1.3x).
 """
 
 from __future__ import annotations

@@ -1,27 +1,15 @@
 """minipar compositions beside PyTorch's own: ZeRO-3 x pipeline and HSDP, 4 ranks on CPU.
 
     torchrun --nproc_per_node=4 benchmarks/compose_vs_torch.py [--steps 15 --warmup 3 --microbatches 4
-        --batch 8 --seq 128 --n-layer 4 --n-embd 256 --n-head 4 --vocab 2048 --lr 1e-3 --json PATH]
-    torchrun --nproc_per_node=4 benchmarks/compose_vs_torch.py --smoke      # tiny GPT, 1 + 2 steps
+        --batch 8 --seq 128 --n-layer 4 --n-embd 256 --n-head 4 --vocab 2048 --lr 1e-3 --json PATH] [--smoke]
 
-Each comparison trains a GPT (untied embedding / LM head, one seed: equal weights) with the same AdamW
-(no clipping), every data-parallel rank its own ``--batch`` rows of the step's global batch:
-
-* zero3_pp: ZeRO-3 on dp=2 under a 2-stage 1F1B pipeline: minipar ``ShardedModule(GPT(cfg),
-  mesh=minipar.init(pp=2), strategy="zero3", schedule="1f1b", microbatches=m)``; PyTorch: each rank's
-  ``minipar.pipeline.GPTStage`` with ``fully_shard`` on each block and the stage over the "dp" dimension
-  (``reshard_after_forward=False``, as torchtitan under PP), in a ``PipelineStage`` driven by
-  ``Schedule1F1B(stage, m, loss_fn=gpt_loss)``.
-* hsdp: ZeRO-3 sharded over groups of 2 ranks and replicated across them: minipar ``minipar.init(
-  dp_shard=2)``, strategy "zero3"; PyTorch ``fully_shard`` on each block and the root over a 2-D
-  ("replicate", "shard") mesh. Before training the script checks each PyTorch mesh dimension holds the
-  same ranks as the matching minipar axis.
-
-The four variants are timed by `harness.interleave`. Printed: the medians and minipar / torch of each
-comparison (goal <= 1.00); the bytes minipar put on the wire in the last warm-up step by op and mesh
-axis on every rank; the first ``--check-steps`` global-batch losses: exit 1 if minipar's differ from
-PyTorch's by more than ``--tolerance``. minipar's ``train_step`` also all-reduces the loss so every rank
-reports it; those scalar collectives count in its time. ``--smoke``: the SMOKE sizes, explicit flags winning.
+Both train a GPT (untied head) with AdamW, every data-parallel rank its rows of the global batch.
+zero3_pp: minipar ``ShardedModule(strategy="zero3", schedule="1f1b")`` on ``init(pp=2)`` against
+``fully_shard`` over "dp" in each ``GPTStage`` driven by ``Schedule1F1B``; hsdp: minipar zero3 on
+``init(dp_shard=2)`` against ``fully_shard`` on a 2-D (replicate, shard) mesh (the same ranks per axis,
+checked). Timed by `harness.interleave`. Printed: medians and minipar / torch (goal <= 1.00), minipar's
+wire bytes in the last warm-up step by op and axis per rank, the first losses: exit 1 if they differ
+by more than ``--tolerance``.
 """
 
 from __future__ import annotations

@@ -3,29 +3,14 @@
     torchrun --nproc_per_node=4 benchmarks/cp_long_seq.py [--seq 8192 --cp-sizes 1,2,4 --forms ring,ulysses
         --steps 3 --warmup 1 --batch 1 --n-layer 2 --n-embd 128 --n-head 4 --vocab 256 --json PATH] [--smoke]
 
-The whole world trains minipar's GPT (dropout 0, AdamW, fp32) in every layout: for each cp size C
-dividing the world, ``minipar.init(cp=C)`` (dp = world / C replicas, each a cp group given ``--batch``
-full sequences) once per form (``ShardedModule(..., context_parallel=form)``), and cp = 1 as the baseline.
-A rank at cp = C holds T/C tokens of each sequence, so its activation memory should fall to about 1/C
-while the world's tokens per step stay the same. The layouts are timed by `harness.interleave`.
-
-Memory: each rank's attention modules switch the saved-tensor meter `minipar.recompute.ActivationMemory`
-on for their forward, so it counts exactly what autograd keeps inside attention, and its peak over the
-timed steps; the ratio is each rank's peak over the cp = 1 layout's (goals: <= 0.55 at cp = 2, <= 0.30
-at cp = 4). The whole model's saved bytes are measured in the warm-up step.
-
-Communication: each step runs inside ``mesh.comm.counting()``; a rank's attention traffic is what it
-sends on the cp axis (ring K/V sends, tags "cp_kv*"; Ulysses' all-to-alls over "cp"), beside the
-theory per step for n_layer layers, local batch B, heads H, head_dim D, fp32 (the rest is "other"):
-
-    ring     n_layer x (ring_bytes(B, H, T, D, C)["forward"] + ["backward"])   (minipar.formulas)
-    ulysses  n_layer x 8 all-to-alls (q, k, v, out and their gradients) x (C-1)/C x B·H·(T/C)·D·4
-
-PyTorch's reference: for each cp > 1 the same layout and data under
-``torch.distributed.tensor.experimental.context_parallel`` (ring attention, head-tail load balancing,
-DDP over the world) is tried: its tokens/s and minipar's ring step over torch's (goal <= 1.00), or the
-exception PyTorch raised (on a CPU, torch 2.13: no sharding rule for the CPU flash-attention op). The
-default (1.5M parameters, seq 8192) is the longest the 2-core CPU machine trains in a few minutes.
+The whole world trains the GPT in every layout: cp = 1 (the baseline) and, for each cp size C dividing
+the world and each form, ``minipar.init(cp=C)`` with ``context_parallel=form`` (dp = world / C groups,
+each given ``--batch`` full sequences), timed by `harness.interleave`. Printed per layout and rank: the
+peak bytes autograd keeps inside attention (`minipar.recompute.ActivationMemory`, on only while an
+attention module runs) over cp = 1's (goals <= 0.55 at cp = 2, <= 0.30 at cp = 4), the whole model's
+(warm-up step), tokens/s, and the attention bytes sent on the cp axis against `theory_bytes`. torch's
+``context_parallel`` is timed the same way where it runs, or its exception printed (on a CPU it has no
+sharding rule for SDPA's CPU flash op). The default (seq 8192) takes a few minutes on 4 CPU ranks.
 """
 
 from __future__ import annotations

@@ -3,20 +3,11 @@
     torchrun --nproc_per_node=2 benchmarks/ddp_vs_torch.py [--steps N --warmup W --bucket-cap-mb B
         --n-layer L --n-embd E --n-head H --vocab V --seq T --batch B --json out.json --check]
 
-Both sides train the same GPT (built twice from one seed: equal weights) on the same per-rank batches
-with the same AdamW, a step being forward, ``gpt_loss``, backward, ``opt.step()``, ``opt.zero_grad()``:
-
-  minipar  ShardedModule(model, mesh=mesh, strategy="ddp", bucket_cap_mb=B)
-  torch    DistributedDataParallel(model, bucket_cap_mb=B)   (defaults otherwise)
-
-Timed by `harness.interleave`. Rank 0 prints the per-step table, the medians and their ratio
-minipar/torch (the headline) beside the median of the per-step ratios; minipar's communication per
-step (``mesh.comm.counting()``: bytes all-reduced under the tag "grad" must equal the parameter
-bytes); both sides' buckets (torch's from its DDP logging data); and the largest parameter difference
-after the run (both trained the same thing). ``--check``: exit 1 when the ratio exceeds 1.10 or the
-"grad" bytes differ from the parameter bytes. On CPU one thread per rank over gloo; the defaults (3.7M
-parameters) take about 0.3 s a step on an idle 2-core machine. A smaller ``--bucket-cap-mb`` (e.g. 1)
-puts more weight on how each side buckets and launches its all-reduces.
+Both train the same GPT on the same per-rank batches with the same AdamW: ``ShardedModule(strategy=
+"ddp", bucket_cap_mb=B)`` and ``DistributedDataParallel(bucket_cap_mb=B)``, timed by `harness.interleave`.
+Printed: the per-step table, the medians, minipar/torch and the paired ratios; minipar's bytes per step
+(the "grad" all-reduce must equal the parameter bytes); both sides' buckets; the largest parameter
+difference. ``--check``: exit 1 when the ratio exceeds 1.10 or the "grad" bytes differ.
 """
 
 from __future__ import annotations

@@ -3,19 +3,13 @@
     python benchmarks/dp_vs_ddp.py [--workers K --steps N --warmup W --n-layer L --n-embd E
         --n-head H --vocab V --seq T --batch B --json out.json]
 
-Three ways to train the same GPT (one seed) on the same global batches of K*B sequences with the same
-AdamW, each worker computing with one thread: ``one`` (the GPT alone, one thread, the whole batch),
-``dp`` (``minipar.data_parallel.DataParallel(gpt, devices=["cpu"] * K)``: K replicas in K threads) and
-``ddp`` (``ShardedModule(gpt, strategy="ddp")`` in K processes of a ``minipar.testing.RankPool``).
-``one`` and ``dp`` are timed together by `harness.interleave`, then ``ddp`` (its ranks idle meanwhile).
-Printed: the medians and ratios; where DataParallel's step goes (scatter, replicate, forward, gather,
-loss, the gather's backward, the replicas' backward, the reduction of their gradients, the optimizer);
-the bytes copied per step (here, and on K separate devices); the losses (equal up to rounding).
-
-DataParallel is slower than DDP even on one machine: it rebuilds the replicas every step, its K threads
-share one interpreter (the GIL), on CPU the replicas' backward runs in the single thread that called
-backward(), and the K gradients are summed by one device after the whole backward, where DDP
-all-reduces buckets while the backward runs, K processes each doing 1/K of the reduction's work.
+The same GPT on the same global batches (K*B sequences), one thread per worker: ``one`` (one thread,
+the whole batch), ``dp`` (``minipar.data_parallel.DataParallel``: K replicas in K threads), ``ddp``
+(``ShardedModule(strategy="ddp")`` in K processes of a ``minipar.testing.RankPool``), each timed by
+`harness.interleave`. Printed: medians and ratios; DataParallel's step by phase with the bytes copied
+(here and on K devices); the losses. DataParallel loses to DDP even on one machine: it rebuilds the
+replicas every step, its threads share the GIL, on CPU the replicas' backward runs in one thread, and
+one device sums the gradients after the whole backward.
 """
 
 from __future__ import annotations

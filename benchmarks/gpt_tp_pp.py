@@ -2,36 +2,19 @@
 
     torchrun --nproc_per_node=4 benchmarks/gpt_tp_pp.py [--tp 2 --pp 2 --schedule 1f1b --microbatches 4
         --steps 30 --batch 8 --model tiny --dtype fp32 --check-bubble 15 --out results]
-        [--cp 2 --context-parallel ring|ulysses]
+        [--cp 2 --context-parallel ring|ulysses] [--checkpoint-dir DIR] [--moe]
 
-By default 4 CPU processes (gloo) as tp=2 x pp=2, dp the rest of the world; on GPUs NCCL and bf16
-(``--dtype``). ``--strategy``: fp32 defaults to DDP, bf16 to ZeRO-1 with ``MixedPrecision(bf16, reduce
-fp32)``. Data: the synthetic Markov "language" of ``minipar.models.data``, handed to ``train_step`` on
-the host. ``--cp C`` adds context parallelism: the C ranks of a cp group get the same sequences and each
-keeps its tokens (ring: zig-zag, ``--seq`` a multiple of 2C; Ulysses: ``--seq`` and the heads per tp
-rank multiples of C). Presets (``--model``; ``--n-layer --n-embd --n-head --vocab --seq`` override):
-
-    tiny    4 layers, n_embd 128, 4 heads, vocab 256, seq 64      (~0.8M; the CPU default)
-    small   8 layers, n_embd 512, 8 heads, vocab 8192, seq 256    (~30M)
-    medium  12 layers, n_embd 768, 12 heads, vocab 50304, seq 1024 (GPT-2 small, ~124M)
-
-Steps are timed by `harness.interleave` (the first three are warm-up). Printed: median step time,
-tokens/s, each stage's busy fraction and the measured bubble (1 - the stages' mean busy fraction over
-the schedule's window; medians over the steady steps) beside the schedule's theory (the simulator's,
-(p-1)/(m+p-1) for GPipe and 1F1B), communication per step by kind, every rank's memory, and the MFU on
-a GPU: tokens/s x (6 N + 12 n_layer seq n_embd) over world x the GPU's peak dense bf16 FLOP/s (N: the
-parameters a token is multiplied by; ``--peak-tflops`` or from the GPU's name). ``--check-bubble PCT``
-exits 1 when the bubble is further than PCT percent from the theory (which assumes equal stages and
-free communication: on a CPU each send's latency, and ranks waiting for a core, add to it).
-
-Reference check: the first ``--check-steps`` steps replayed in one process, fp32, on the global batch;
-exit 1 if the losses differ by more than ``--tolerance``. Under ``--dtype bf16`` the job first trains
-the check steps in fp32, then the bf16 run, compared with the same reference at bf16's tolerance
-(relative 1.6e-2). Results go to OUT/gpt_tp_pp.json, the last step's timeline to OUT/trace.json
-(Perfetto) and OUT/timeline.png (with matplotlib), titled with its measured and simulated bubble.
-``--virtual-stages`` sets interleaved_1f1b's chunks per rank (default 2). With ``--checkpoint-dir DIR``
-it saves a sharded checkpoint every ``--checkpoint-every`` steps and resumes from the newest complete
-one, so a job under ``torchrun --max-restarts=N`` survives a dead rank, bit for bit.
+tp=2 x pp=2 by default, dp the rest of the world; gloo and fp32 on CPU, NCCL and bf16 (ZeRO-1 with fp32
+masters) on GPUs. Presets ``--model`` tiny (~0.8M), small (~30M), medium (GPT-2 small); ``--n-layer
+--n-embd --n-head --vocab --seq`` override. Data: the Markov "language" of ``minipar.models.data``, on the
+host. Steps are timed by `harness.interleave` (three warm-up). Printed: median step, tokens/s, each
+stage's busy fraction and the bubble (1 - their mean over the schedule's window) beside the simulator's
+(``--check-bubble PCT``: exit 1 beyond it), communication per step, every rank's memory, the MFU on a
+GPU (tokens/s x (6 N + 12 n_layer seq n_embd) over world x peak bf16 FLOP/s). Reference check: the first
+``--check-steps`` steps replayed in one process (fp32; under bf16 an fp32 run of the layout first, the
+bf16 run then within 1.6e-2 relative); exit 1 beyond ``--tolerance``. OUT/gpt_tp_pp.json, the last step's
+timeline in OUT/trace.json and OUT/timeline.png. ``--checkpoint-dir``: save every ``--checkpoint-every``
+steps, resume from the newest (survives ``torchrun --max-restarts``, bit for bit).
 """
 
 from __future__ import annotations

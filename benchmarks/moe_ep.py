@@ -3,14 +3,11 @@
     torchrun --nproc_per_node=2 benchmarks/moe_ep.py [--tokens 2048 --d-model 256 --d-hidden 1024
         --experts 8 --top-k 2 --capacity-factor 1.25 --steps 20 --warmup 3 --json PATH]
 
-Each of the P ranks (ep = P) routes ``--tokens`` tokens of its own through one `minipar.moe.MoELayer`
-whose E experts are split E/P per rank. The baseline is the same layer (all experts, same weights) on
-rank 0 running the global batch, routed as P groups so it makes the same capacity decisions. Both
-forward + backward of ``sum(out)``, timed by `harness.interleave`. Printed: tokens/s of both and their
-ratio; each rank's bytes to other ranks per forward (counted by the collective layer) beside what its
-routing implies (rows sent for other ranks' experts and rows returned, x d_model x 4, plus the counts
-exchange; they must agree, exit 1 otherwise) and the uniform-routing estimate 2 T k (P-1)/P d_model 4;
-and the largest output difference (exit 1 beyond --tolerance).
+Each rank routes its tokens through a `minipar.moe.MoELayer` with its experts split over the ranks; the
+baseline is the whole layer on rank 0 on the global batch, routed as P groups (the same capacity
+decisions). Forward + backward timed by `harness.interleave`. Printed: tokens/s and their ratio; each
+rank's bytes per forward beside what its routing implies (exit 1 unless equal) and the uniform-routing
+estimate 2 T k (P-1)/P d_model 4; the largest output difference (exit 1 beyond --tolerance).
 """
 
 from __future__ import annotations

@@ -3,13 +3,10 @@
     torchrun --nproc_per_node=2 benchmarks/offload.py [--steps N --warmup W --n-layer L --n-embd E
         --n-head H --vocab V --seq T --batch B --path DIR --chunk-mb C --bf16 --json out.json]
 
-The same GPT under ``strategy="zero3"`` and each `minipar.Offload` level, one after the other, each
-timed by `harness.interleave`: none; opt=cpu (fp32 masters and AdamW's moments in host memory,
-ZeRO-Offload); opt=nvme (the same in files under --path, stepped in chunks, ZeRO-Infinity);
-opt=cpu,par=cpu (and the parameter shards in host memory); opt=nvme,par=nvme (everything but the
-gradient shards in files). Columns: median step and its ratio to none; bytes this rank keeps on the
-device (``memory_stats()``), in host memory and on disk; the bytes offloading moved in the last step
-(``offload_traffic()``, which ``minipar.offload.offload_traffic`` predicts exactly); on a GPU the peak.
+The same GPT under zero3 and each `minipar.Offload` level (LEVELS: optimizer state in host memory or in
+files under --path, and the parameter shards too), one after the other, timed by `harness.interleave`.
+Columns: median step and its ratio to none; bytes kept on the device, in host memory, on disk; what
+offloading moved in the last step (``offload_traffic()``); on a GPU the peak.
 """
 
 from __future__ import annotations

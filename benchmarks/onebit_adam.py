@@ -2,13 +2,11 @@
 
     torchrun --nproc_per_node=2 benchmarks/onebit_adam.py [--steps 200 --freeze-step 40 --json out.json]
 
-Both start from the same weights and see the same data (the Markov "language" of `minipar.models.data`),
-timed together by `harness.interleave` (1-bit Adam's warm-up steps are the warm-up). Every collective is
-counted; the table gives the wire bytes per step of AdamW (fp32 gradient all-reduce) and of 1-bit Adam
-after its warm-up (the compressed momentum exchange), their ratio, and each final loss (the mean of the
-last ``--last`` steps); exit 1 if the final losses differ by more than ``--tolerance`` (relative).
-Measured on CPU/gloo: 2 ranks: gap 0.15%, wire ratio 1/31; 4 ranks (``--batch 4``): 3.1% with a 40-step
-warm-up (2.3% of it the frozen variance alone), 1.7% with 60. The paper warms up for 15-25% of training.
+The same weights and Markov data, timed together by `harness.interleave` (1-bit Adam's warm-up is the
+warm-up). Printed: wire bytes per step of AdamW and of 1-bit Adam after its warm-up, their ratio, each
+final loss (mean of the last ``--last`` steps); exit 1 if those differ by more than ``--tolerance``
+(relative). On CPU/gloo, 2 ranks: gap 0.15%, wire ratio 1/31; 4 ranks (``--batch 4``): 3.1% with a
+40-step warm-up, 1.7% with 60 (the paper warms up for 15-25% of training).
 """
 
 from __future__ import annotations

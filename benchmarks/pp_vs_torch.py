@@ -4,21 +4,12 @@
         --steps 20 --warmup 3 --microbatches 4 --virtual-stages 2 --batch 8 --seq 128 --n-layer 4
         --n-embd 256 --n-head 4 --vocab 2048 --json PATH]
 
-For each schedule two models train the same data from the same initialisation (GPT, untied embedding
-and head) with AdamW, no clipping: minipar's ``ShardedModule(GPT(cfg), mesh=minipar.init(pp=2),
-schedule=S, microbatches=m, virtual_stages=v).train_step(x, y, gpt_loss)``, and PyTorch's schedule over
-one ``PipelineStage`` per piece this rank holds, each around ``minipar.pipeline.Stage(GPT(cfg), k,
-pieces)`` (the same blocks as minipar's chunk k, checked), with ``loss_fn=gpt_loss``:
-
-    gpipe ScheduleGPipe; 1f1b Schedule1F1B; interleaved_1f1b ScheduleInterleaved1F1B (pieces r, p + r, ...);
-    zb_h1 ScheduleInterleavedZeroBubble (one piece per rank); zb_v ScheduleZBVZeroBubble (r and 2p-1-r)
-
-Schedules with several pieces per rank need n_layer >= pp * v; by default those the model is too
-shallow for are skipped. Every variant is timed by `harness.interleave`. Printed per schedule: the
-medians, minipar / torch (goal <= 1.00) and the largest difference of the first ``--check-steps``
-losses, then those losses of every variant: exit 1 if minipar's differ from PyTorch's by more than
-``--tolerance``. minipar's ``train_step`` also does what PyTorch's schedule leaves out, in its time:
-the batch check, DDP's gradient hooks (even at dp=1) and the loss all-reduce so every rank reports it.
+Per schedule, the same GPT (untied head) trains on both sides with AdamW: minipar's ``ShardedModule(
+schedule=S, ...).train_step`` and PyTorch's counterpart (TORCH_SCHEDULES) over one ``PipelineStage`` per
+piece, each a ``minipar.pipeline.Stage`` (the same blocks as minipar's chunk, checked); schedules the
+model is too shallow for are skipped. Timed by `harness.interleave`. Printed: medians, minipar / torch
+(goal <= 1.00), the first losses of every variant: exit 1 if minipar's differ by more than --tolerance.
+minipar's step also does the batch check, DDP's hooks and the loss all-reduce, in its time.
 """
 
 from __future__ import annotations

@@ -3,16 +3,10 @@
     torchrun --nproc_per_node=4 benchmarks/ps_vs_ddp.py [--servers 1 --steps N --warmup W
         --n-layer L --n-embd E --n-head H --vocab V --seq T --batch B --staleness K --json out.json]
 
-One world of n processes runs, one after the other, the same GPT with the same per-rank batch B:
-``ddp`` (``ShardedModule(strategy="ddp")`` over all n ranks), ``ps sync``
-(``minipar.parameter_server.ParameterServer(servers=S, mode="sync")``: S ranks serve, n - S compute,
-each round every worker pushes its gradient and pulls the parameters) and ``ps async`` (mode="async",
-staleness=K). Timed by `harness.interleave` (the parameter server's workers without the barrier, which
-its servers do not reach; a step is the slowest computing rank's); samples/s counts the computing ranks.
-Bytes per step on every rank (``mesh.comm.counting()``): ``sent`` (a send's payload; an all-reduce's ring
-share 2(n-1)/n x B), ``received``, ``through`` their sum. The busiest rank is a server, taking in W
-gradients and sending out W copies of its partition (2 W Phi / S), against 4 (n-1)/n Phi on every DDP
-rank whatever n is: the bottleneck all-reduce removes.
+The same GPT and per-rank batch under ``ddp`` (all n ranks compute), ``ps sync`` and ``ps async``
+(``ParameterServer``: S servers, n - S workers), one after the other, timed by `harness.interleave` (the
+workers unaligned: the servers do not reach a barrier). Printed: step time, samples/s, and the busiest
+rank's bytes per step (sent, received, through): a server moves 2 W Phi / S, a DDP rank 4 (n-1)/n Phi.
 """
 
 from __future__ import annotations

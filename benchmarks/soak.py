@@ -1,22 +1,12 @@
 """Soak: the main job's layout for many steps, watching every rank's resident memory.
 
     torchrun --nproc_per_node=4 benchmarks/soak.py [--steps 1000 --every 50 --warmup 100
-        --tp 2 --pp 2 --schedule 1f1b --microbatches 4 --batch 8 --model tiny --json PATH --check]
+        --tp 2 --pp 2 --schedule 1f1b --microbatches 4 --batch 8 --model tiny --json PATH --check] [--smoke]
 
-The model, layout and step are the main job's (``benchmarks/gpt_tp_pp.py``, imported): a GPT as tp=2 x
-pp=2, 1F1B over 4 micro-batches, fp32 on a CPU, inside ``Comm.counting`` with the pipeline timeline kept,
-then clipping and AdamW; the ``tiny`` preset by default (1000 steps: 3-4 minutes with 4 ranks on 2
-cores). Steps are timed by `harness.interleave` (two floats kept per step), so what grows is the library's.
-
-Resident memory: each rank's RSS (``/proc/self/statm``) after every ``--every`` steps, after the warm-up
-and after the last step (untimed), one line per sample. Growth: RSS after the last step over RSS at the
-end of the warm-up (default: the first 10% of the steps), per rank and the largest; goal < 2%.
-
-Batch check: `minipar.checks.check_batch` (what ``train_step`` runs first: one all-gather of 15 int64
-per rank, then a host sync), ``--check-reps`` calls back to back on each rank, its median beside the
-median step; goal under 1% of the step (the largest share of any rank), with the all-gather alone beside
-it (the check's floor). Where ranks outnumber cores most of the check is the all-gather waiting for a
-core. ``--check`` exits 1 when a goal is missed. ``--smoke``: 20 steps, a sample every 5, 20 check calls.
+The main job's model, layout and step (``gpt_tp_pp``), timed by `harness.interleave`. Each rank's RSS
+after every ``--every`` steps, the warm-up (default 10%) and the last (untimed); growth from the warm-up
+to the end, goal < 2%. The batch check (`minipar.checks.check_batch`) timed alone on each rank beside
+the median step, goal < 1%, with its all-gather alone (its floor). ``--check``: exit 1 on a missed goal.
 """
 
 from __future__ import annotations

@@ -4,17 +4,13 @@
         --minipar-api sharded|parallelize --foreach --n-layer L --n-embd E --n-head H --vocab V
         --seq T --batch B --lr LR --seed S --json out.json --check]
 
-tp = world. Both sides train the same GPT (untied head: ``parallelize_module`` would untie it) on the
-same batches with AdamW(eps=1e-6). minipar: ``ShardedModule(GPT(cfg), strategy="ddp",
-sequence_parallel=...)`` applying ``GPT.tp_plan`` (``--minipar-api parallelize``: ``parallelize`` alone),
-``vocab_parallel_cross_entropy``; torch: ``parallelize_module`` with the TP tutorial's / torchtitan's plan
-(`torch_tp_plan`), ``F.cross_entropy`` under ``loss_parallel()``. Timed by `harness.interleave` with
-forward + loss, backward and optimizer phases. Printed: the per-step table, medians, ratio (goal <= 1.00,
-limit 1.25) and paired ratios; the losses and full parameters (the same function); minipar's collectives
-in one more step by segment (embedding, each layer, head, loss) beside `theory` (two all-reduces of
-batch*seq*hidden per layer each way plus the embedding's and the head's; under SP reduce-scatter +
-all-gather pairs and the norms' and biases' gradient all-reduces); torch's collectives in that step
-(a dispatch mode). ``--check``: exit 1 above the limit, on different functions or theory mismatch.
+tp = world; the same GPT (untied head) and batches on both sides. minipar: ``ShardedModule(strategy=
+"ddp", sequence_parallel=...)`` applying ``GPT.tp_plan`` (or ``parallelize`` alone); torch:
+``parallelize_module`` with the tutorial's plan (`torch_tp_plan`), ``loss_parallel()``. Timed by
+`harness.interleave` with forward + loss, backward and optimizer phases. Printed: the steps, medians,
+ratio (goal <= 1.00, limit 1.25) and paired ratios; losses and parameters (the same function); minipar's
+collectives in one more step by segment beside `theory`, and torch's. ``--check``: exit 1 above the
+limit, on different functions, or on communication other than the theory.
 """
 
 from __future__ import annotations

@@ -4,13 +4,11 @@
         --n-layer L --n-embd E --n-head H --vocab V --seq T --batch B --lr LR --seed S --ddp-bucket-view 0|1
         --bf16-table/--no-bf16-table --impls a,b,... --unit-check 0|1 --json out.json --check]
 
-Every implementation (LABELS) trains the same model on the same per-rank batches with the same optimizer:
-``--model gpt`` (3.7M parameters, Markov-chain tokens, AdamW) or ``linear20`` (PyTorch's tutorial model,
-20 x ``nn.Linear(2000, 2000)``, MSE on one fixed batch per rank, Adam; built a few at a time to fit in
-RAM). Timed by `harness.interleave`. Printed: 1. step times and the minipar/torch ratios (goal <= 1.00,
-limit 1.25: ``--check``); 2. persistent memory per rank after the last warm-up step's optimizer step
-beside the ZeRO paper's formulas, fp32 and bf16; 3. (linear20) beside the tutorial's table; 4. minipar's
-communication per step (in the warm-up) and zero3/ddp against the exact expectation; 5. parameter diffs.
+Every implementation (LABELS) trains the same model and batches: ``gpt`` (Markov tokens, AdamW) or
+``linear20`` (the tutorial's 20 x ``nn.Linear(2000, 2000)``, Adam; built in rounds to fit in RAM),
+timed by `harness.interleave`. Printed: 1. step times, minipar/torch ratios (goal <= 1.00, limit 1.25:
+``--check``); 2. memory per rank beside the ZeRO formulas, fp32 and bf16; 3. (linear20) beside the
+tutorial; 4. communication per step and zero3/ddp against the exact expectation; 5. parameter diffs.
 """
 
 from __future__ import annotations
