@@ -3,42 +3,26 @@
     python benchmarks/gpt_1gpu.py [--model gpt2-medium] [--batch 16] [--seq 1024] [--steps 20]
         [--modes minipar,torch,compile] [--json results/gpt_1gpu.json] [--profile results/profile]
 
-Every mode trains the same GPT (``minipar.models.GPT``, the same initial weights, the same
-batches) in bf16 for ``--warmup`` untimed and ``--steps`` timed steps:
+Every mode trains the same GPT (fused q/k/v; the same weights and batches) in bf16 for ``--warmup``
+untimed and ``--steps`` timed steps. minipar: ``ShardedModule`` on a world of one, ZeRO-1 with bf16
+parameters and fp32 masters, minipar's Triton kernels, the head and loss in row chunks (``train_step``
+without a loss function), ``train_step`` on host batches. torch: PyTorch's recipe on the same model
+(its ops, ``torch.autocast(bfloat16)``, ``F.cross_entropy``, ``AdamW(fused=True)``). compile: torch
+under ``torch.compile``; minipar_compile: minipar with the wrapped GPT compiled whole.
 
-  minipar   ``ShardedModule`` on a world of one: ZeRO-1 with ``MixedPrecision(bf16, reduce fp32)``
-            (bf16 parameters, fp32 masters), minipar's Triton kernels (norms with the residual add
-            fused in, GELU, the fused AdamW step), the LM head and the loss in row chunks
-            (``train_step`` without a loss function: the logits are never held), flash attention
-            through SDPA, ``train_step`` on host batches.
-  torch     PyTorch's standard recipe on the same model: its own ops (``MINIPAR_KERNELS=torch``),
-            fp32 parameters under ``torch.autocast(bfloat16)``, ``F.cross_entropy`` on the logits in fp32,
-            ``torch.optim.AdamW(fused=True)``.
-  compile   ``torch`` with the model under ``torch.compile``.
-  minipar_compile  ``minipar`` with the wrapped GPT under ``torch.compile`` as a whole (minipar's
-            kernels are custom operators Dynamo traces through, so the graph does not break at them).
-
-The timed steps run back to back with one CUDA-event pair around them (no host sync in between:
-the point is how far the host can stay ahead). Reported per mode: step time, tokens/s, MFU
-(tokens/s x (6 N + 12 n_layer seq n_embd) FLOPs over the GPU's peak dense bf16 FLOP/s, as the
-main job), peak memory, the first and last loss, and the host syncs of one step seen two ways:
-``minipar.syncs`` (the calls that would wait) and ``torch.cuda.set_sync_debug_mode`` (the ones
-that did). Goal on an H100: MFU >= 0.50 for minipar, at least PyTorch eager's tokens/s.
-
-``--profile DIR`` answers why instead of how fast: for each mode, after the warm-up, three steps under
-``torch.profiler`` (``benchmarks/step_profile.py``): the GPU's busy share, kernels launched per step, the
-host's time per step and the top kernels by GPU time, with the traces in DIR (``trace_<mode>.json.gz``,
-for Perfetto). No timing rows then.
-
-Without CUDA it says so and runs ``--smoke``: a tiny model on the CPU for a few steps (minipar and
-torch modes), which checks the script, not speed.
+The timed steps run back to back between one CUDA-event pair (no host sync between them: how far the
+host stays ahead is the point, so this is not `harness.interleave`'s rule). Per mode: step time,
+tokens/s, MFU (as the main job's), peak memory, the first and last loss, and one step's host syncs
+(``minipar.syncs``: would wait; ``torch.cuda.set_sync_debug_mode``: did). Goal on an H100: MFU >= 0.50
+for minipar, at least PyTorch eager's tokens/s. ``--profile DIR``: three steps per mode under
+``torch.profiler`` instead (``step_profile.py``), traces in DIR. Without CUDA: says so and runs ``--smoke``
+(a tiny model on the CPU, minipar and torch modes), which checks the script, not speed.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import statistics
 import sys
@@ -54,6 +38,7 @@ from minipar.models import GPT, GPTConfig
 from minipar.models.data import markov_batch
 from minipar.syncs import count_host_syncs
 
+import harness
 from gpt_tp_pp import matmul_params, peak_flops
 from step_profile import profile_steps, table
 
@@ -66,22 +51,15 @@ MODES = ("minipar", "torch", "compile", "minipar_compile")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser(__doc__, batch=16, seq=None, steps=20, warmup=5, lr=3e-4, smoke=False, json=None,
+                        help={"seq": "default: the preset's", "smoke": "tiny model on the CPU: checks the script only"})
     ap.add_argument("--model", default="gpt2-medium", choices=sorted(PRESETS))
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--seq", type=int, default=None, help="default: the preset's")
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--modes", default="minipar,torch,compile", help=f"comma-separated, of {', '.join(MODES)}")
-    ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--peak-tflops", type=float, default=None, help="one GPU's peak bf16 TFLOP/s, for the MFU")
-    ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU: checks the script only")
-    ap.add_argument("--json", default=None)
     ap.add_argument("--profile", default=None, metavar="DIR", help="profile 3 steps per mode instead of timing")
     args = ap.parse_args(argv)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    unknown = [m for m in args.modes if m not in MODES]
-    if unknown:
+    if unknown := [m for m in args.modes if m not in MODES]:
         ap.error(f"--modes: unknown {unknown}; choose from {', '.join(MODES)}")
     if args.smoke:
         args.model, args.steps, args.warmup, args.batch = "tiny", min(args.steps, 3), 1, min(args.batch, 2)
@@ -101,15 +79,12 @@ def config(args) -> GPTConfig:
 def kernels_path(torch_ops: bool):
     """MINIPAR_KERNELS=torch inside (PyTorch's ops on CUDA), as it was outside afterwards."""
     before = os.environ.get("MINIPAR_KERNELS")
-    if torch_ops:
-        os.environ["MINIPAR_KERNELS"] = "torch"
+    os.environ.update({"MINIPAR_KERNELS": "torch"} if torch_ops else {})
     try:
         yield
     finally:
-        if before is None:
-            os.environ.pop("MINIPAR_KERNELS", None)
-        else:
-            os.environ["MINIPAR_KERNELS"] = before
+        os.environ.pop("MINIPAR_KERNELS", None)
+        os.environ.update({} if before is None else {"MINIPAR_KERNELS": before})
 
 
 class Runner:
@@ -196,63 +171,41 @@ def flash_attention_runs(cfg: GPTConfig, device: torch.device) -> str:
 
 def run_mode(mode: str, args, cfg: GPTConfig, mesh, device: torch.device, flops_per_token: float,
              peak: float | None) -> dict:
+    """One mode's row; with ``--profile``, three steps under the profiler (``step_profile``) instead."""
     torch.manual_seed(0)
     runner = Runner(mode, cfg, mesh, args.lr, device)
-    batches = [markov_batch(s, 0, args.batch, args.seq, cfg.vocab_size) for s in range(args.warmup + args.steps)]
+    steps = 3 if args.profile else args.steps
+    batches = [markov_batch(s, 0, args.batch, args.seq, cfg.vocab_size) for s in range(args.warmup + steps)]
     if device.type == "cuda":  # every mode copies its batches from pinned memory: nothing waits for them
         batches = [x.pin_memory() for x in batches]
     losses = [runner.step(x) for x in batches[:args.warmup]]
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats(device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        t0 = time.perf_counter()
-        start.record()
+    if args.profile:
+        row = profile_steps(runner.step, batches[args.warmup:], os.path.join(args.profile, f"trace_{mode}.json.gz"))
     else:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats(device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
         t0 = time.perf_counter()
-    losses += [runner.step(x) for x in batches[args.warmup:]]
-    host_s = time.perf_counter() - t0  # how long the host took to queue the steps
-    if device.type == "cuda":
-        end.record()
-        end.synchronize()
-        seconds = start.elapsed_time(end) / 1e3
-        peak_mem = torch.cuda.max_memory_allocated(device)
-    else:
-        seconds, peak_mem = host_s, None
-    step_s = seconds / args.steps
-    tokens_per_s = args.batch * args.seq / step_s
-    values = torch.stack(losses).float().tolist()
-    row = {"mode": mode, "step_ms": step_s * 1e3, "host_ms_per_step": host_s / args.steps * 1e3,
-           "tokens_per_s": tokens_per_s, "mfu": flops_per_token * tokens_per_s / peak if peak else None,
-           "peak_memory_bytes": peak_mem, "first_loss": values[0], "last_loss": values[-1],
-           **sync_counts(runner, batches[-1])}
+        losses += [runner.step(x) for x in batches[args.warmup:]]
+        host_s = time.perf_counter() - t0  # how long the host took to queue the steps
+        if device.type == "cuda":
+            end.record()
+            end.synchronize()
+            seconds, peak_mem = start.elapsed_time(end) / 1e3, torch.cuda.max_memory_allocated(device)
+        else:
+            seconds, peak_mem = host_s, None
+        tokens_per_s = args.batch * args.seq * steps / seconds
+        values = torch.stack(losses).float().tolist()
+        row = {"mode": mode, "step_ms": seconds / steps * 1e3, "host_ms_per_step": host_s / steps * 1e3,
+               "tokens_per_s": tokens_per_s, "mfu": flops_per_token * tokens_per_s / peak if peak else None,
+               "peak_memory_bytes": peak_mem, "first_loss": values[0], "last_loss": values[-1],
+               **sync_counts(runner, batches[-1])}
     del runner
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return row
-
-
-def profile_mode(mode: str, args, cfg: GPTConfig, mesh, device: torch.device) -> dict:
-    """``--profile``: warm up, then three steps of ``mode`` under the profiler (``step_profile``)."""
-    torch.manual_seed(0)
-    runner = Runner(mode, cfg, mesh, args.lr, device)
-    batches = [markov_batch(s, 0, args.batch, args.seq, cfg.vocab_size) for s in range(args.warmup + 3)]
-    if device.type == "cuda":
-        batches = [x.pin_memory() for x in batches]
-    for x in batches[:args.warmup]:
-        runner.step(x)
-    summary = profile_steps(runner.step, batches[args.warmup:], os.path.join(args.profile, f"trace_{mode}.json.gz"))
-    del runner
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return summary
-
-
-def write_json(path: str | None, result: dict) -> None:
-    if path:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(result, f, indent=2)
 
 
 def main(argv=None) -> int:
@@ -283,10 +236,10 @@ def main(argv=None) -> int:
         profiles = result["profiles"] = {}
         for mode in args.modes:
             try:
-                profiles[mode] = profile_mode(mode, args, cfg, mesh, device)
+                profiles[mode] = run_mode(mode, args, cfg, mesh, device, flops_per_token, peak)
             except Exception as e:  # noqa: BLE001 -- one mode failing must not hide the others' profiles
                 profiles[mode] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
-            write_json(args.json, result)
+            harness.write_json(args.json, result)
         print(table(profiles))
         minipar.shutdown()
         return 1 if any("error" in p for p in profiles.values()) else 0
@@ -297,7 +250,7 @@ def main(argv=None) -> int:
         except Exception as e:  # noqa: BLE001 -- one mode failing must not hide the others' figures
             rows.append({"mode": mode, "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"})
         print(f"  {mode}: " + (rows[-1].get("error") or f"{rows[-1]['tokens_per_s']:,.0f} tokens/s"), flush=True)
-        write_json(args.json, result)  # after every mode: a run stopped at its limit keeps what it measured
+        harness.write_json(args.json, result)  # after every mode: a run stopped at its limit keeps what it measured
     base = next((r for r in rows if r["mode"] == "torch" and "error" not in r), None)
     print("\n| mode | step ms | host ms/step | tokens/s | vs torch | MFU | peak memory | loss first -> last | "
           "syncs/step (would wait / CUDA saw) |\n|---|---|---|---|---|---|---|---|---|")
@@ -315,7 +268,7 @@ def main(argv=None) -> int:
         if r.get("would_wait"):
             print(f"{r['mode']}: host syncs per step at\n{r['would_wait_at']}")
     result["median_tokens_per_s"] = statistics.median([r["tokens_per_s"] for r in rows if "error" not in r] or [0])
-    write_json(args.json, result)
+    harness.write_json(args.json, result)
     minipar.shutdown()
     return 1 if any("error" in r for r in rows) else 0
 

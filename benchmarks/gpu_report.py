@@ -2,37 +2,23 @@
 
     python benchmarks/gpu_report.py [--part kernels|train|tests|suite|all] [--out results] [--budget 540]
 
-Parts (each a list of steps, every step a subprocess with its own time limit, so one that breaks
-or hangs is recorded and the rest still run; the limits of one part add up to at most ten minutes):
+Each part is a list of steps, every step a subprocess with its own time limit (one that breaks or hangs
+is recorded and the rest still run; one part's limits add up to ten minutes at most):
 
-  kernels  (a) every Triton kernel's tests compiled on the GPU, not interpreted
-               (``MINIPAR_TEST_DEVICE=cuda pytest -m triton``: forward and backward, fp32 and bf16,
-               against PyTorch on the same device); (b) ``benchmarks/kernels.py``: time, GB/s and
-               fraction of the measured copy bandwidth, against eager and ``torch.compile``.
-  train    (c) ``benchmarks/gpt_1gpu.py``: the GPT (350M) on one GPU in bf16 with minipar's kernels
-               beside PyTorch's recipe: tokens/s, MFU, memory, host syncs per step; (c') why: three
-               steps of minipar and of the eager recipe under ``torch.profiler`` (``--profile``: GPU
-               busy share, kernels per step, host time, top kernels; the traces kept in OUT/profile);
-               (e) the main job on a world of one in bf16 with its reference check.
-  tests    (d) the strategies, each checked against the single-process run by the main job's
-               reference check: ddp, zero1, zero2, zero3 on a world of one over NCCL (fp32 and
-               bf16), and tp=2, pp=2, cp=2 and each strategy on a world of two as two gloo
-               processes sharing the GPU with CUDA tensors (``MINIPAR_DEVICE=cuda``).
-  suite    the equivalence test modules of the strategies with their ranks on the GPU
-               (``MINIPAR_TEST_DEVICE=cuda``: a world of one over NCCL, larger ones over gloo), in two
-               halves with their own limits, so the part fits one ten-minute call and a half that
-               runs out of time does not lose the other's results.
+  kernels  every Triton kernel's tests compiled on the GPU (``MINIPAR_TEST_DEVICE=cuda pytest -m triton``);
+           ``benchmarks/kernels.py``: time, GB/s, fraction of copy bandwidth, against eager and compile.
+  train    ``benchmarks/gpt_1gpu.py``: the GPT (350M) in bf16, minipar beside PyTorch's recipe, and three
+           steps of each under ``torch.profiler`` (``--profile``, traces in OUT/profile); the main job on
+           a world of one in bf16 with its reference check.
+  tests    the strategies checked against one process by the main job's reference check: world 1 over
+           NCCL (fp32 and bf16), and tp=2, pp=2, cp=2 and each strategy as two gloo processes sharing the GPU.
+  suite    the strategies' equivalence test modules with their ranks on the GPU, in two halves.
 
-``--part all`` runs every step in the order that matters most when GPU time is short (kernel
-correctness, the single-GPU figures, the main job, the kernel table, the strategies, the suite)
-and skips a step expected to end past ``--budget`` seconds from the start (each step carries an
-estimate of its time on an H100 beside its hard limit). It writes OUT/gpu_report.json
-and OUT/gpu_report.md (the device, torch, triton and CUDA versions, then each step: what it ran,
-how long, pass/fail, its figures), and prints the markdown. Exit status 1 when a step failed.
-
-Without CUDA it says so and runs the smoke path on the CPU: the same kinds of step at tiny sizes
-(one kernel module under the interpreter, the two benchmarks' ``--smoke`` runs, the main job at
-world 1 and 2 on gloo): it checks this kit, not a GPU, and is what CI runs.
+``--part all`` runs every step, most important first, skipping one expected to end past ``--budget``
+seconds (each step has an H100 estimate beside its limit); it writes OUT/gpu_report.json and
+OUT/gpu_report.md (versions, then each step: command, time, pass/fail, figures) and prints the markdown;
+exit 1 when a step failed. Without CUDA it says so and runs the same kinds of step at tiny sizes on the
+CPU (what CI runs): it checks this kit, not a GPU.
 """
 
 from __future__ import annotations

@@ -2,19 +2,12 @@
 
     python benchmarks/kernels.py [--dtype bf16] [--reps 50] [--json results/kernels.json]
 
-For each memory-bound kernel: its time (median of ``--reps`` CUDA-event timed
-runs after warm-up), the bytes it must move (read once, write once: the
-minimum any implementation needs), the bandwidth that implies, and that as a
-fraction of the device-to-device copy bandwidth measured in the same run
-(``dst.copy_(src)`` of 1 GiB) -- the practical ceiling. Beside it the same
-operation in PyTorch eager and compiled with ``torch.compile``, and the
-speed-ups. Forward and backward are timed together where the kernel has a
-backward (norms, activations, cross-entropy), since that is what a training
-step runs. Goal: >= 85% of copy bandwidth and faster than both.
-
-Without CUDA it says so and exits 0. ``--smoke`` runs tiny sizes on the CPU
-(under ``TRITON_INTERPRET=1`` the Triton path is the interpreter, without it
-PyTorch), skipping torch.compile: it checks this script, not speed.
+For each memory-bound kernel: its time (median of ``--reps`` CUDA-event timed runs after warm-up: a
+microbenchmark's rule, not `harness.interleave`'s), the bytes it must move (each input read once, each
+output written once), that bandwidth and its fraction of the measured device-to-device copy bandwidth;
+beside it PyTorch eager and ``torch.compile`` and the speed-ups (forward and backward together where the
+kernel has a backward). Goal: >= 85% of copy bandwidth and faster than both. Without CUDA it says so
+and exits 0; ``--smoke`` runs tiny sizes on the CPU (the interpreter under ``TRITON_INTERPRET=1``).
 """
 
 from __future__ import annotations

@@ -2,14 +2,11 @@
 
     python benchmarks/step_ops.py [--n-layer 24] [--own-loss] [--fused-qkv]
 
-On a GPU every operator below autograd is a kernel launch the host must issue; a step is fast when the
-host stays ahead of the GPU, and a step that issues two launches per parameter (400 for a 24-layer GPT)
-spends as much host time on gradient bookkeeping as on the layers. This runs the single-GPU setting of
-``benchmarks/gpt_1gpu.py`` (ZeRO-1, bf16 parameters, fp32 masters and reduction) at a tiny width on the
-CPU, and counts one step's operators with `minipar.syncs.count_launches` (views and metadata reads
-excluded; each of minipar's kernels is one custom operator). Under ``TRITON_INTERPRET=1`` the kernels
-take their GPU path; without it, PyTorch's. Prints the total, the parameter count and the operators
-issued most. (The count depends on the depth and on the options, not on the width.)
+On a GPU every operator below autograd is a kernel launch the host must issue. This runs
+``gpt_1gpu.py``'s single-GPU setting (ZeRO-1, bf16 parameters, fp32 masters) at a tiny width on the CPU
+and counts one step's operators (`minipar.syncs.count_launches`: views excluded, each minipar kernel one
+custom operator); under ``TRITON_INTERPRET=1`` the kernels take their GPU path. Prints the total, the
+parameter count and the most issued (the count depends on the depth and options, not the width).
 """
 
 from __future__ import annotations

@@ -2,20 +2,12 @@
 
     summary = profile_steps(step, batches, "results/profile_minipar.json.gz")
 
-``step(x)`` runs one whole training step on batch ``x``; each of ``batches`` is one profiled step
-(run a few unprofiled ones first: compilation and the optimizer's lazy state are not the steady
-state). The trace is written for Perfetto / chrome://tracing (gzipped when the path ends in ``.gz``)
-and summarised from its events, as a GPU report wants it:
-
-  gpu_busy        the share of the steps' wall time in which some GPU kernel ran (the union of the
-                  kernels' intervals over the window from the first step's start to the last
-                  kernel's end): below 1 the GPU waited, for the host or for a sync
-  kernels_per_step  GPU kernels launched per step (the host's work is at least that many launches)
-  host_ms_per_step  the host's time per step (the steps' annotated ranges)
-  top_kernels     the kernels that took the most GPU time: name, milliseconds per step, launches per step
-
-On a CPU there are no kernel events: ``gpu_busy`` is None and ``top_kernels`` lists the ATen
-operators by their time instead (``ops_per_step`` counts them), which checks the plumbing only.
+``step(x)`` runs one training step on batch ``x``; each of ``batches`` is one profiled step (warm up
+first). The trace is written for Perfetto (gzipped for ``.gz``) and summarised: ``gpu_busy`` (the share
+of the steps' window in which some kernel ran: the union of the kernels' intervals), ``kernels_per_step``,
+``host_ms_per_step`` (the steps' annotated ranges) and ``top_kernels`` (name, ms and launches per step).
+On a CPU there are no kernel events: ``gpu_busy`` is None and the ATen operators stand in for kernels
+(``ops_per_step``), which checks the plumbing only.
 """
 
 from __future__ import annotations
