@@ -56,8 +56,9 @@ def parse_args():
     ap = harness.parser(__doc__, steps=30, batch=8, seq=None, vocab=None, n_layer=None, n_embd=None, n_head=None,
                         lr=3e-3, help={"batch": "sequences per data-parallel rank per step"})
     add = ap.add_argument
-    add("--tp", type=int, default=2)
-    add("--pp", type=int, default=2)
+    for flag, default in (("--tp", 2), ("--pp", 2), ("--microbatches", 4), ("--check-steps", 3), ("--experts", 4),
+                          ("--top-k", 2), ("--checkpoint-every", 10)):
+        add(flag, type=int, default=default)
     add("--dp", type=int, default=None, help="default: world / (tp * cp * pp)")
     add("--cp", type=int, default=1, help="context-parallel size: the ranks that split each sequence")
     add("--context-parallel", default="ring", choices=("ring", "ulysses"), help="how the cp ranks attend")
@@ -65,20 +66,15 @@ def parse_args():
         help="data-parallel strategy (default: ddp in fp32, zero1 in bf16)")
     add("--schedule", default="1f1b", choices=tuple(SCHEDULES))
     add("--virtual-stages", type=int, default=None, help="model chunks per rank for interleaved_1f1b (default 2)")
-    add("--microbatches", type=int, default=4)
     add("--model", default="tiny", choices=sorted(PRESETS), help="shape preset (see above)")
     add("--dtype", default=None, choices=("fp32", "bf16"), help="default: bf16 on CUDA (fp32 with ddp), fp32 on CPU")
-    add("--check-steps", type=int, default=3)
     add("--tolerance", type=float, default=1e-4, help="largest fp32 loss difference to the reference")
     add("--check-bubble", type=float, default=None, metavar="PCT",
         help="exit 1 if the measured bubble is more than PCT percent away from the schedule's theory")
     add("--peak-tflops", type=float, default=None, help="one GPU's peak bf16 TFLOP/s, for the MFU")
     add("--out", default="results")
     add("--checkpoint-dir", default=None, help="save checkpoints here; resume from the newest")
-    add("--checkpoint-every", type=int, default=10, help="steps between checkpoints (with --checkpoint-dir)")
     add("--moe", action="store_true", help="mixture-of-experts MLPs (minipar.models.MoEGPT)")
-    add("--experts", type=int, default=4)
-    add("--top-k", type=int, default=2)
     add("--capacity-factor", type=float, default=1.25)
     add("--ep", type=int, default=None, help="expert-parallel size (splits dp); default: dp with --moe")
     args = ap.parse_args()
@@ -112,8 +108,7 @@ def parse_args():
 
 
 def strategy_of(args, dtype: str) -> str:
-    """--strategy, or the default: ZeRO-1 for bf16 (fp32 masters sharded, bf16 compute, fp32 gradient
-    reduction), DDP for fp32. The fp32 check run of a bf16 job keeps the job's strategy."""
+    """--strategy, or the default: ZeRO-1 for bf16 (fp32 masters sharded), DDP for fp32."""
     return getattr(args, "strategy", None) or ("zero1" if dtype == "bf16" else "ddp")  # soak.py: no --strategy
 
 
@@ -173,7 +168,7 @@ def bubble_of_step(ranks: list[dict], step: int, stages: int) -> tuple[float, di
 
 
 def reference_losses(build, ref_cfg, args, dp: int, device) -> list[float]:
-    """The first check steps in one process, fp32, on the global batch (every data-parallel rank's data)."""
+    """The first check steps in one process, fp32, on the global batch (every data-parallel rank's)."""
     ref = build(ref_cfg).to(device)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=args.lr, weight_decay=0.1)
     out = []

@@ -31,6 +31,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+import minipar
 from minipar.models import GPTConfig
 
 clock = time.perf_counter  # the tests replace it with a fake clock
@@ -82,6 +83,14 @@ def parser(doc: str | None, *, help: dict | None = None, **defaults) -> Flags:
         else:
             ap.add_argument(flag, type=kind, default=default, help=text)
     return ap
+
+
+def init(**axes) -> minipar.Mesh:
+    """``minipar.init(**axes)``, every rank computing with one thread on a CPU (the ranks share its cores)."""
+    mesh = minipar.init(**axes)
+    if mesh.device.type == "cpu":
+        torch.set_num_threads(1)
+    return mesh
 
 
 def gpt_config(args, **overrides) -> GPTConfig:
@@ -185,6 +194,13 @@ def interleave(variants: dict[str, Callable[[int], Any]], steps: int, warmup: in
         flat = slowest_rank([s for n in names for s in seconds[n]])
         seconds = {n: flat[j * total:(j + 1) * total] for j, n in enumerate(names)}
     return Timings(seconds, results, warmup)
+
+
+def gathered_losses(per_rank: list[dict[str, list]]) -> dict[str, list[float]]:
+    """Each variant's loss per step from every rank's ``Timings.results``: the mean over the ranks that
+    report one (a pipeline's on its last stage only; each data-parallel rank its own)."""
+    return {k: [statistics.fmean(r[k][i] for r in per_rank if r[k][i] is not None) for i in range(len(v))]
+            for k, v in per_rank[0].items()}
 
 
 def table(header: list[str], rows: list[list]) -> str:

@@ -109,19 +109,16 @@ def main() -> int:
     ap.add_argument("--tolerance", type=float, default=1e-4)
     args = ap.parse_args()
     schedules, skipped = chosen_schedules(args, PP)
-    mesh = minipar.init(pp=PP)
-    torch.set_num_threads(1)
-    cfg = harness.gpt_config(args, tie_weights=False, seed=0)
-    m, v = args.microbatches, args.virtual_stages
+    mesh = harness.init(pp=PP)
+    cfg, m, v = harness.gpt_config(args, tie_weights=False, seed=0), args.microbatches, args.virtual_stages
     runners = {}
     for s in schedules:
         runners[f"minipar/{s}"] = MiniparRunner(cfg, mesh, s, m, v, args.lr)
         runners[f"torch/{s}"] = TorchRunner(cfg, mesh.pp_rank, mesh.pp, s, m, v, args.lr, mesh.device)
     if mesh.rank == 0:
-        n = sum(p.numel() for p in GPT(cfg).parameters())
-        print(f"pp_vs_torch: GPT {n / 1e6:.2f}M parameters (untied), {args.n_layer} layers, pp=2 on "
-              f"{dist.get_world_size()} ranks, {dist.get_backend()}, batch {args.batch} x seq {args.seq}, "
-              f"{m} micro-batches, interleaved v={v}, torch {torch.__version__}", flush=True)
+        print(f"pp_vs_torch: GPT {sum(p.numel() for p in GPT(cfg).parameters()) / 1e6:.2f}M parameters (untied), "
+              f"{args.n_layer} layers, pp=2 on {mesh.world_size} ranks, {dist.get_backend()}, batch {args.batch} x seq "
+              f"{args.seq}, {m} micro-batches, interleaved v={v}, torch {torch.__version__}", flush=True)
         if skipped:
             print(f"skipped {', '.join(skipped)}: their pieces need --n-layer >= "
                   f"{max(mesh.pp * chunks_per_rank(s, v) for s in skipped)}", flush=True)
@@ -129,34 +126,30 @@ def main() -> int:
                for s in range(args.warmup + args.steps)]
     t = harness.interleave({k: (lambda i, r=r: r.step(batches[i])) for k, r in runners.items()}, args.steps,
                            args.warmup, log_every=5)
-    # A variant's losses come from the rank that has them (PyTorch's: the rank holding the last piece).
-    everyone = mesh.comm.all_gather_object(t.results, mesh.world, tag="report")
+    losses = harness.gathered_losses(mesh.comm.all_gather_object(t.results, mesh.world, tag="report"))
     status = 0
     if mesh.rank == 0:
-        losses = {k: next(r[k] for r in everyone if r[k][0] is not None) for k in runners}
+        med, nchk = {k: t.median(k) for k in runners}, min(args.check_steps, args.warmup + args.steps)
         ratios = {s: t.ratio(f"minipar/{s}", f"torch/{s}") for s in schedules}
-        nchk = min(args.check_steps, args.warmup + args.steps)
         diffs = {s: max(abs(a - b) for a, b in zip(losses[f"minipar/{s}"][:nchk], losses[f"torch/{s}"][:nchk]))
                  for s in schedules}
-        max_diff = max(diffs.values())
+        max_diff, tokens = max(diffs.values()), args.batch * args.seq
         status = 0 if max_diff <= args.tolerance else 1
-        tokens = args.batch * args.seq
         print("\n" + harness.table(["schedule", "minipar median step", "torch median step", "minipar / torch",
                                     "minipar tok/s", "torch tok/s", "first losses max diff"], [
-            [s, f"{t.median(f'minipar/{s}') * 1e3:.1f} ms", f"{t.median(f'torch/{s}') * 1e3:.1f} ms",
-             f"{ratios[s]:.2f}", f"{tokens / t.median(f'minipar/{s}'):.0f}", f"{tokens / t.median(f'torch/{s}'):.0f}",
-             f"{diffs[s]:.1e}"] for s in schedules]))
-        print(f"\nfirst {nchk} steps' losses:")
-        for k in runners:
-            side, schedule = k.split("/")
-            print(f"  {side:8s} {schedule:16s} " + "  ".join(f"{x:.6f}" for x in losses[k][:nchk]))
+            [s, f"{med[f'minipar/{s}'] * 1e3:.1f} ms", f"{med[f'torch/{s}'] * 1e3:.1f} ms", f"{ratios[s]:.2f}",
+             f"{tokens / med[f'minipar/{s}']:.0f}", f"{tokens / med[f'torch/{s}']:.0f}", f"{diffs[s]:.1e}"]
+            for s in schedules]))
+        print(f"\nfirst {nchk} steps' losses:\n" + "\n".join(
+            f"  {k.split('/')[0]:8s} {k.split('/')[1]:16s} " + "  ".join(f"{x:.6f}" for x in losses[k][:nchk])
+            for k in runners))
         print(f"largest difference minipar vs torch: {max_diff:.2e} ({'ok' if status == 0 else 'MISMATCH'}, "
               f"tolerance {args.tolerance:g})")
         print("last step losses: " + ", ".join(f"{k.replace('/', ' ')} {losses[k][-1]:.4f}" for k in runners))
         harness.write_json(args.json, {
             "args": vars(args), "torch": torch.__version__, "schedules": schedules, "skipped": skipped,
-            "median_step_s": {k: t.median(k) for k in runners}, "ratio_minipar_over_torch": ratios,
-            "step_times_s": t.seconds, "losses": losses, "first_losses_diff": diffs, "first_losses_max_diff": max_diff})
+            "median_step_s": med, "ratio_minipar_over_torch": ratios, "step_times_s": t.seconds, "losses": losses,
+            "first_losses_diff": diffs, "first_losses_max_diff": max_diff})
     status = harness.agree(status)
     minipar.shutdown()
     return status
