@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import statistics
 
 import torch
 import torch.distributed as dist
@@ -38,24 +37,28 @@ SMOKE = dict(steps=2, warmup=1, n_layer=2, n_embd=32, n_head=2, seq=16, batch=8,
 ADAMW = dict(betas=(0.9, 0.95), weight_decay=0.1)
 
 
-class MiniparRunner:
+class Runner:
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> float | None:
+        """One training step: the loss this rank sees (None where it has none), then AdamW."""
+        loss = self.loss(x, y)
+        self.opt.step()
+        self.opt.zero_grad()
+        return loss
+
+
+class MiniparRunner(Runner):
     """minipar ZeRO-3 on ``mesh``: ``train_step`` returns the global-batch loss on every rank."""
 
     def __init__(self, cfg, mesh: minipar.Mesh, lr: float, **layout) -> None:
-        self.mesh = mesh
         self.model = ShardedModule(GPT(cfg), mesh=mesh, strategy="zero3", **layout)
         self.opt = self.model.build_optimizer(torch.optim.AdamW, lr=lr, **ADAMW)
 
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> float | None:
-        loss = self.model.train_step(x, y, gpt_loss)
-        self.opt.step()
-        self.opt.zero_grad()
-        return loss.item()
+    def loss(self, x, y) -> float:
+        return self.model.train_step(x, y, gpt_loss).item()
 
 
-class TorchPipelineRunner:
-    """FSDP2 over "dp" inside each stage of a 1F1B pipeline: this rank's mean micro-batch loss on the
-    last stage, None elsewhere."""
+class TorchPipelineRunner(Runner):
+    """FSDP2 over "dp" inside each stage of a 1F1B pipeline: the mean micro-batch loss on the last stage."""
 
     def __init__(self, cfg, dmesh, m: int, lr: float, device) -> None:
         pp_rank, pp = dmesh["pp"].get_local_rank(), dmesh["pp"].size()
@@ -67,15 +70,13 @@ class TorchPipelineRunner:
         self.schedule = Schedule1F1B(stage, n_microbatches=m, loss_fn=gpt_loss)
         self.opt = torch.optim.AdamW(self.module.parameters(), lr=lr, **ADAMW)
 
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> float | None:
+    def loss(self, x, y) -> float | None:
         losses: list = []
         self.schedule.step(*((x,) if self.first else ()), **(dict(target=y, losses=losses) if self.last else {}))
-        self.opt.step()
-        self.opt.zero_grad()
         return torch.stack([loss.detach() for loss in losses]).mean().item() if self.last else None
 
 
-class TorchHSDPRunner:
+class TorchHSDPRunner(Runner):
     """FSDP2 on a 2-D ("replicate", "shard") mesh, i.e. HSDP: this rank's loss."""
 
     def __init__(self, cfg, dmesh, lr: float, device) -> None:
@@ -84,11 +85,9 @@ class TorchHSDPRunner:
             fully_shard(unit, mesh=dmesh)
         self.opt = torch.optim.AdamW(self.module.parameters(), lr=lr, **ADAMW)
 
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> float | None:
+    def loss(self, x, y) -> float:
         loss = gpt_loss(self.module(x), y)
         loss.backward()
-        self.opt.step()
-        self.opt.zero_grad()
         return loss.item()
 
 
@@ -114,9 +113,8 @@ def main() -> int:
         ap.error("--steps and --warmup must be >= 1")
     if args.batch % args.microbatches:
         ap.error(f"--batch {args.batch} must divide into --microbatches {args.microbatches}")
-    pp_mesh = minipar.init(pp=2)
-    torch.set_num_threads(1)
-    world, device = dist.get_world_size(), pp_mesh.device
+    pp_mesh = harness.init(pp=2)
+    world, device = pp_mesh.world_size, pp_mesh.device
     if world % 2 or world < 4:
         raise SystemExit(f"compose_vs_torch needs an even world of at least 4 ranks (written for 4); got {world}")
     hsdp_mesh = minipar.init(dp_shard=2)
@@ -161,14 +159,11 @@ def main() -> int:
 
     t = harness.interleave({k: (lambda i, k=k: step(k, i)) for k in runners}, args.steps, args.warmup, log_every=5)
     everyone = pp_mesh.comm.all_gather_object({"losses": t.results, "comm": comm}, pp_mesh.world, tag="report")
+    losses = harness.gathered_losses([r["losses"] for r in everyone])  # global-batch losses
     status = 0
     if pp_mesh.rank == 0:
-        total = args.warmup + args.steps
         ratios = {c: t.ratio(f"{c}/minipar", f"{c}/torch") for c in COMPARISONS}
-        # Global-batch losses: minipar's is on every rank; torch's the mean of the ranks that hold one.
-        losses = {k: [statistics.fmean(r["losses"][k][i] for r in everyone if r["losses"][k][i] is not None)
-                      for i in range(total)] for k in runners}
-        nchk = min(args.check_steps, total)
+        nchk = min(args.check_steps, args.warmup + args.steps)
         diffs = {c: max(abs(a - b) for a, b in zip(losses[f"{c}/minipar"][:nchk], losses[f"{c}/torch"][:nchk]))
                  for c in COMPARISONS}
         status = 0 if max(diffs.values()) <= args.tolerance else 1
@@ -190,10 +185,9 @@ def main() -> int:
                 calls = tables[0].get(row, {}).get("calls")
                 label = f"{row} ({calls} on rank 0)" if calls is not None else row
                 print(f"    {label:44}" + "".join(f"{w / 2**20:10.3f}" for w in wire))
-        print(f"\nfirst {nchk} steps' global-batch losses:")
-        for k in runners:
-            c, side = k.split("/")
-            print(f"  {c:8s} {side:7s} " + "  ".join(f"{v:.6f}" for v in losses[k][:nchk]))
+        print(f"\nfirst {nchk} steps' global-batch losses:\n" + "\n".join(
+            f"  {k.split('/')[0]:8s} {k.split('/')[1]:7s} " + "  ".join(f"{v:.6f}" for v in losses[k][:nchk])
+            for k in runners))
         for c in COMPARISONS:
             print(f"largest difference minipar vs torch, {c}: {diffs[c]:.2e} "
                   f"({'ok' if diffs[c] <= args.tolerance else 'MISMATCH'}, tolerance {args.tolerance:g})")
