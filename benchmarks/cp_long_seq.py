@@ -181,12 +181,9 @@ def try_torch(args, cfg, cp: int, device: torch.device) -> tuple[TorchRun | None
 
 def main() -> int:
     args = parse_args()
-    base = minipar.init()
+    base = harness.init()
     world, rank, device = base.world_size, base.rank, base.device
-    if device.type == "cpu":
-        torch.set_num_threads(1)
-    else:  # the reference and minipar must not round matmul inputs to TF32
-        torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False  # on a GPU, the layouts must not round matmul inputs to TF32
     cfg = harness.gpt_config(args, dropout=0.0, seed=0)
     runs = [MiniparRun(args, cfg, 1, None)]
     runs += [MiniparRun(args, cfg, c, form) for c in args.cp_sizes if c > 1 for form in args.forms]

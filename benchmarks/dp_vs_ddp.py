@@ -49,29 +49,31 @@ def adamw(params, args) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
 
 
+def train(model, opt, x, y) -> float:
+    loss = gpt_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+
 def ddp_side(ctx, args) -> dict:
     """On every rank of the pool: its B rows of each global batch under minipar DDP."""
     mesh = minipar.Mesh()
     model = minipar.ShardedModule(GPT(harness.gpt_config(args, seed=args.seed)), mesh=mesh, strategy="ddp")
     opt = model.build_optimizer(torch.optim.AdamW, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    rows = slice(ctx.rank * args.batch, (ctx.rank + 1) * args.batch)
-    records = []
+    rows, records = slice(ctx.rank * args.batch, (ctx.rank + 1) * args.batch), []
 
-    def step(i: int) -> torch.Tensor:
-        x, y = (t[rows] for t in global_batch(i, args))
+    def step(i: int) -> float:
         with mesh.comm.counting() as stats:
-            loss = gpt_loss(model(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
+            loss = train(model, opt, *(t[rows] for t in global_batch(i, args)))
         records.extend(stats.records if i >= args.warmup else [])
-        return loss.detach().reshape(1)
+        return loss
 
     t = harness.interleave({"ddp": step}, args.steps, args.warmup)
-    losses = torch.cat(t.results["ddp"][args.warmup:]).double()
-    torch.distributed.all_reduce(losses)
     grad = [r for r in records if r.op == "all_reduce" and r.tag == "grad"]
-    return {"step_s": t.timed("ddp"), "loss": (losses / ctx.world_size).tolist(),
+    return {"step_s": t.timed("ddp"),
+            "loss": harness.gathered_losses(mesh.comm.all_gather_object(t.results, mesh.world))["ddp"][args.warmup:],
             "all_reduce_bytes_per_step": sum(r.bytes for r in grad) / args.steps,
             "all_reduce_wire_bytes_per_step": sum(r.wire_bytes for r in grad) / args.steps}
 
@@ -89,14 +91,6 @@ def main() -> int:
         dp = DataParallel(dp_model, devices=["cpu"] * k)
         param_bytes = sum(p.numel() * p.element_size() for p in dp_model.parameters())  # a tied weight once
         n_params = sum(p.numel() for p in dp_model.parameters())
-
-        def one_step(i: int) -> float:
-            x, y = global_batch(i, args)
-            loss = gpt_loss(one_model(x), y)
-            loss.backward()
-            one_opt.step()
-            one_opt.zero_grad()
-            return loss.item()
 
         def dp_step(i: int) -> float:
             """Adds the phases the wrapper does not time itself (loss, backward, optimizer)."""
@@ -119,7 +113,8 @@ def main() -> int:
 
         t_start = time.perf_counter()
         with dp.profiling() as prof:
-            t = harness.interleave({"one": one_step, "dp": dp_step}, args.steps, args.warmup)
+            t = harness.interleave({"one": lambda i: train(one_model, one_opt, *global_batch(i, args)), "dp": dp_step},
+                                   args.steps, args.warmup)
         ddp = pool.run(ddp_side, args)[0]
         wall = time.perf_counter() - t_start
     finally:

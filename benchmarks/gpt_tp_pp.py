@@ -187,12 +187,10 @@ def main() -> int:
     args = parse_args()
     world = int(os.environ.get("WORLD_SIZE", 1))
     dp = args.dp or world // (args.tp * args.cp * args.pp)
-    mesh = minipar.init(dp=args.dp, tp=args.tp, pp=args.pp, ep=(args.ep or dp) if args.moe else 1, cp=args.cp)
+    mesh = harness.init(dp=args.dp, tp=args.tp, pp=args.pp, ep=(args.ep or dp) if args.moe else 1, cp=args.cp)
     cpu = mesh.device.type == "cpu"
-    if cpu:
-        torch.set_num_threads(1)
-    else:  # the fp32 check run and its reference must not round matmul inputs to TF32
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    # on a GPU the fp32 check run and its reference must not round matmul inputs to TF32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     dtype = args.dtype or ("fp32" if cpu or args.strategy == "ddp" else "bf16")  # DDP has no mixed precision
     main_rank = mesh.rank == 0
     shape = dict(vocab_size=args.vocab, block_size=args.seq, n_layer=args.n_layer, n_head=args.n_head,

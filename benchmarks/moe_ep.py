@@ -31,9 +31,8 @@ def main() -> int:
     ap.add_argument("--capacity-factor", type=float, default=1.25)
     ap.add_argument("--tolerance", type=float, default=1e-4)
     args = ap.parse_args()
-    mesh = minipar.init(ep=int(os.environ.get("WORLD_SIZE", 1)))  # every rank one expert-parallel rank
+    mesh = harness.init(ep=int(os.environ.get("WORLD_SIZE", 1)))  # every rank one expert-parallel rank
     p = mesh.world_size
-    torch.set_num_threads(1)
     layer_args = (args.d_model, args.d_hidden, args.experts, args.top_k, args.capacity_factor)
     ep_layer = MoELayer(*layer_args, seed=0)
     ep_layer.shard_experts(mesh.comm, mesh.group("ep"))

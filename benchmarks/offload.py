@@ -63,9 +63,8 @@ def main() -> None:
     ap.add_argument("--chunk-mb", type=float, default=16.0)
     ap.add_argument("--bf16", action="store_true", help="bf16 compute (fp32 masters)")
     args = ap.parse_args()
-    torch.set_num_threads(1)
     Path(args.path).mkdir(parents=True, exist_ok=True)
-    mesh = minipar.init()
+    mesh = harness.init()
     rows = [run(args, mesh, *level) for level in LEVELS]
     for r in rows:
         r["vs_none"] = r["step_s"] / rows[0]["step_s"]

@@ -49,9 +49,7 @@ def main() -> int:
     args = ap.parse_args()
     if not 0 < args.freeze_step < args.steps:
         ap.error("--freeze-step must be between 0 and --steps")
-    mesh = minipar.init()
-    if mesh.device.type == "cpu":
-        torch.set_num_threads(1)
+    mesh = harness.init()
     k, wire = args.freeze_step, {"adamw": [], "onebit": []}
     adamw, params = trainer(args, mesh, torch.optim.AdamW, wire["adamw"])
     onebit, _ = trainer(args, mesh, OneBitAdam, wire["onebit"], freeze_step=k)

@@ -79,8 +79,7 @@ def main() -> None:
     ap.add_argument("--servers", type=int, default=1)
     ap.add_argument("--staleness", type=int, default=1, help="the async run's bound")
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    mesh = minipar.init()
+    mesh = harness.init()
     n, S = mesh.world_size, args.servers
     param_bytes = sum(p.numel() * p.element_size() for p in GPT(harness.gpt_config(args, seed=0)).parameters())
     rows = []

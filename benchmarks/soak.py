@@ -76,9 +76,7 @@ def time_batch_check(mesh, x: torch.Tensor, cfg, reps: int) -> tuple[float, floa
 
 def main() -> int:
     args = parse_args()
-    mesh = minipar.init(dp=args.dp, tp=args.tp, pp=args.pp)
-    if mesh.device.type == "cpu":
-        torch.set_num_threads(1)
+    mesh = harness.init(dp=args.dp, tp=args.tp, pp=args.pp)
     main_rank = mesh.rank == 0
     cfg = harness.gpt_config(args, seed=0)
     model, opt = build_model(GPT, cfg, mesh, args, "fp32")

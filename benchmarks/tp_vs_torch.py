@@ -302,10 +302,8 @@ def main() -> int:
     ap.add_argument("--foreach", action="store_true", help="AdamW(foreach=True) on both sides (default: torch's)")
     args = ap.parse_args()
     world = int(os.environ.get("WORLD_SIZE", 1))
-    mesh = minipar.init(tp=world)
+    mesh = harness.init(tp=world)
     device = mesh.device
-    if device.type != "cuda":
-        torch.set_num_threads(1)
     cfg = harness.gpt_config(args, tie_weights=False, seed=args.seed)
     # eps=1e-6, not 1e-8: AdamW's g / (sqrt(v) + eps) turns gradients that are pure rounding noise (the
     # k_proj bias's gradient is exactly zero in exact arithmetic: softmax ignores a per-query constant)

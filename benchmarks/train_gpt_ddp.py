@@ -30,11 +30,8 @@ def main() -> int:
     ap.add_argument("--check-steps", type=int, default=5, help="steps replayed by the single-process reference")
     ap.add_argument("--tolerance", type=float, default=1e-4, help="largest allowed loss difference")
     args = ap.parse_args()
-    mesh = minipar.init()
-    if mesh.device.type == "cpu":
-        torch.set_num_threads(1)
-    else:
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    mesh = harness.init()
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # the reference check, on a GPU
     is_main = mesh.rank == 0
     cfg = harness.gpt_config(args, seed=0)
     model = ShardedModule(GPT(cfg), mesh=mesh, strategy="ddp", bucket_cap_mb=args.bucket_cap_mb)

@@ -255,9 +255,7 @@ def source_state() -> str:
 
 def main() -> int:
     args = parse_args()
-    mesh = minipar.init()
-    if mesh.device.type == "cpu":
-        torch.set_num_threads(1)
+    mesh = harness.init()
     rank, world = dist.get_rank(), dist.get_world_size()
     w = (gpt_workload if args.model == "gpt" else linear20_workload)(args, rank, args.warmup + args.steps)
     w.batches = [(x.to(mesh.device), y.to(mesh.device)) for x, y in w.batches]
