@@ -36,6 +36,7 @@ import harness
 import minipar
 from minipar.formulas import DataParallel, ParamSet, dp_calls, shard_formula, summarize
 from minipar.models import GPT, gpt_loss
+from minipar.models.data import markov_batch
 
 RATIO_GOAL, RATIO_LIMIT = 1.00, 1.25
 PAIRS = (("mp_zero1", "torch_zero1"), ("mp_zero3", "torch_fsdp2"))   # the timed comparisons
@@ -82,17 +83,9 @@ def parse_args() -> argparse.Namespace:
 # batches (warm-up then timed), rounds (implementations built, timed and freed together), describe.
 def gpt_workload(args, rank: int, n_steps: int) -> SimpleNamespace:
     cfg = harness.gpt_config(args, seed=args.seed)
-    # A learnable synthetic language: a fixed random Markov chain, four likely successors per token.
-    successors = torch.randint(args.vocab, (args.vocab, 4), generator=torch.Generator().manual_seed(args.seed + 17))
-    batches = []
-    for step in range(n_steps):
-        g = torch.Generator().manual_seed((args.seed * 1_000_003 + step) * 1_009 + rank)
-        tok = torch.empty(args.batch, args.seq + 1, dtype=torch.long)
-        tok[:, 0] = torch.randint(args.vocab, (args.batch,), generator=g)
-        picks = torch.randint(4, (args.batch, args.seq), generator=g)
-        for t in range(args.seq):
-            tok[:, t + 1] = successors[tok[:, t], picks[:, t]]
-        batches.append((tok[:, :-1].contiguous(), tok[:, 1:].contiguous()))
+    # A learnable synthetic language (a random Markov chain, four likely successors per token), per rank.
+    batches = [(x[:, :-1].contiguous(), x[:, 1:].contiguous()) for x in (
+        markov_batch(step, rank, args.batch, args.seq, args.vocab, seed=args.seed + 17) for step in range(n_steps))]
     return SimpleNamespace(
         build=lambda: GPT(cfg), units=lambda m: list(m.layers), wrap_policy=None, loss_fn=gpt_loss,
         opt_cls=torch.optim.AdamW, opt_kwargs=dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1), batches=batches,

@@ -356,3 +356,35 @@ def test_step_ops_counts_a_one_device_step():
         counts[n_layer] = (int(m.group(1)), int(m.group(3)))
     more_ops, more_params = counts[4][0] - counts[2][0], counts[4][1] - counts[2][1]
     assert 0 < more_ops < 3 * more_params, counts  # 2 blocks' ops (~34 each); the old bucket copies added 2 per parameter
+
+
+def test_harness_timing_rule_on_fake_timings(monkeypatch):
+    """benchmarks/harness.py's one rule, on a fake clock in one process (no barrier, no reduction to do):
+    the variants run step by step with the one going first rotating (a b, b a, a b, ...); every step is
+    timed and the warm-up steps are kept in ``seconds`` but left out of every figure; the headline is the
+    ratio of the medians, beside the median of the per-step paired ratios (here they differ)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import harness
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    now, order = [0.0], []
+    durations = {"a": [9.0, 1.0, 2.0, 3.0, 10.0], "b": [9.0, 2.0, 4.0, 1.0, 4.0]}  # step 0: the warm-up
+
+    def variant(name):
+        def step(i):
+            order.append((i, name))
+            now[0] += durations[name][i]
+            return float(i)
+        return step
+
+    monkeypatch.setattr(harness, "clock", lambda: now[0])
+    t = harness.interleave({"a": variant("a"), "b": variant("b")}, steps=4, warmup=1)
+    assert order == [(0, "a"), (0, "b"), (1, "b"), (1, "a"), (2, "a"), (2, "b"), (3, "b"), (3, "a"), (4, "a"), (4, "b")]
+    assert t.seconds == durations and t.timed("a") == [1.0, 2.0, 3.0, 10.0] and t.results["b"] == [0, 1, 2, 3, 4]
+    assert t.median("a") == 2.5 and t.median("b") == 3.0 and t.ratio("a", "b") == pytest.approx(2.5 / 3.0)
+    assert t.paired("a", "b") == [0.5, 0.5, 3.0, 2.5] and t.paired_median("a", "b") == 1.5
+    # a variant's loss: the mean over the ranks that report one (a pipeline's last stage only)
+    assert harness.gathered_losses([{"a": [1.0, None]}, {"a": [3.0, 2.0]}]) == {"a": [2.0, 2.0]}
+    assert harness.table(["x", "y"], [[1, "2"]]) == "| x | y |\n|---|---|\n| 1 | 2 |"
+
