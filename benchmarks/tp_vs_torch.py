@@ -123,6 +123,11 @@ class TorchSide(Side):
     def __init__(self, cfg, device_mesh, args, opt_kwargs: dict, device) -> None:
         self.gpt = GPT(cfg).to(device)
         self.model = parallelize_module(self.gpt, device_mesh, torch_tp_plan(cfg.n_layer, args.sequence_parallel))
+        for block in self.gpt.layers if args.sequence_parallel else ():
+            # ln_2 also adds the residual, a keyword SequenceParallel leaves local, and returns (h, ln_2(h))
+            block.ln_2.register_forward_pre_hook(lambda m, a, kw: (a, {**kw, "residual": DTensor.from_local(
+                kw["residual"], device_mesh, [Shard(1)])}), with_kwargs=True)
+            block.ln_2.register_forward_hook(lambda m, a, out: tuple(o.to_local() for o in out))
         # a foreach kernel refuses a list mixing DTensors and the plain tensors left replicated
         params = list(self.model.parameters())
         groups = [[p for p in params if isinstance(p, DTensor)], [p for p in params if not isinstance(p, DTensor)]]
