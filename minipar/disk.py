@@ -76,6 +76,7 @@ class DiskFiles:
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="minipar-offload-read")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="minipar-offload-write")
         self._writes: deque[tuple[str, Future]] = deque()
+        self._failed_read: str | None = None  # a read whose caller could not raise alone (`read_failed`)
         # The files are scratch space (checkpoints are the durable copy): gone with the model.
         self._finalizer = weakref.finalize(self, _remove_files, self.dir, self._files)
 
@@ -118,8 +119,20 @@ class DiskFiles:
         self.traffic.add("disk_write", values.numel() * values.element_size())
         self._writes.append((name, self._writer.submit(self._write_now, name, lo, values)))
 
+    def read_failed(self, what: str) -> None:
+        """Record a read that failed where this rank could not raise alone (inside zero3's all-gather,
+        which every rank must join): the next `wait_writes`, at the end of the step, raises it, and the
+        strategy agrees on it there, so every rank raises together."""
+        self._failed_read = self._failed_read or what
+
     def wait_writes(self, keep: int = 0) -> None:
-        """Wait until at most ``keep`` writes are in flight; raise `OffloadError` for a failed one."""
+        """Wait until at most ``keep`` writes are in flight; raise `OffloadError` for a failed one (or
+        a failed read `read_failed` recorded)."""
+        if self._failed_read is not None:
+            what, self._failed_read = self._failed_read, None
+            self.abandon()
+            raise OffloadError(f"{what}; the step's state is incomplete: load the last checkpoint (it is untouched) "
+                               "after fixing the disk")
         while len(self._writes) > keep:
             name, f = self._writes.popleft()
             try:

@@ -160,7 +160,14 @@ class ShardHomes:
         itself, or a copy from the host or from its file (``ahead``: reads started earlier)."""
         if self.params is None:
             return g.shard
-        host = ((ahead or {}).pop(i, None) or self.read(g, i)).result() if self.params == "nvme" else g.shard
+        host = g.shard
+        if self.params == "nvme":
+            read = (ahead or {}).pop(i, None) or self.read(g, i)
+            try:
+                host = read.result()
+            except OSError as e:  # every rank must still join the gather: NaN in, OffloadError at the step's end
+                self.files.read_failed(f"reading the offloaded parameter shard {self.files.dir / f'g{i}.shard'}: {e}")
+                host = torch.full((g.shard.numel(),), math.nan, dtype=g.shard.dtype)
         self.traffic.add("to_device", host.numel() * host.element_size())
         out = torch.empty(host.shape, dtype=host.dtype, device=self.device)
         return out.copy_(host, non_blocking=host.is_pinned())

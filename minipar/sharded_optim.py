@@ -245,7 +245,7 @@ class ShardedState(Strategy):
         """Every write of this step landed on every rank, or `OffloadError` on every rank."""
         error, self._disk_error = self._disk_error, None  # (nvme_step's, if it failed)
         self._agree_io(lambda: self.files.wait_writes() if error is None else _raise(OffloadError(error)),
-                       "the offloaded state could not be written")
+                       "the offloaded state could not be read or written")
 
     def offload_setup(self) -> None:
         """Once the stage made its groups: send the masters (and zero3's shards) to their offload
