@@ -45,6 +45,10 @@ its momentum). One some workers used gets the mean, the others contributing zero
 Every rank builds the same model; the workers start from the servers' values (the first pull),
 like DDP starts from rank 0's. Servers run ``serve()`` until every worker has called
 ``finish()``; a worker calls ``train_step`` once per step.
+
+A worker whose step raises (a bad batch, a loss that fails) tells every server before it raises
+(`_abort`); each server then answers every other worker's push with a refusal and raises too, so
+every rank stops with an error instead of waiting for a gradient that never comes.
 """
 
 from __future__ import annotations
@@ -59,9 +63,10 @@ from .grad_norm import scale_by_norm_
 from .mesh import Mesh
 
 MODES = ("sync", "async")
-_PUSH, _DONE = 1.0, 0.0  # the last element of a push: a gradient, or "this worker has finished"
+# The last element of a push: a gradient, "this worker has finished", or "this worker's step failed"
+_PUSH, _DONE, _ABORT = 1.0, 0.0, 2.0
 _OK, _FAILED = 1.0, 0.0  # the last element of a reply
-_HEADER = 3  # reply: (sync: loss, version, grad norm | async: clock, updates, 0), then the status
+_HEADER = 3  # reply: (sync: loss, version, grad norm | async: clock, updates, 0 | failed: the worker or -1), status
 
 
 class ParameterServer:
@@ -131,10 +136,14 @@ class ParameterServer:
             raise RuntimeError(f"rank {self.mesh.rank} is a parameter server: call serve(), not train_step")
         for p in self.params:
             p.grad = None
-        loss = loss_fn(self.model(inputs), targets)
-        loss.backward()
-        if self.mode == "async" and self.max_norm is not None:
-            torch.nn.utils.clip_grad_norm_(self.params, self.max_norm)
+        try:
+            loss = loss_fn(self.model(inputs), targets)
+            loss.backward()
+            if self.mode == "async" and self.max_norm is not None:
+                torch.nn.utils.clip_grad_norm_(self.params, self.max_norm)
+        except Exception:
+            self._send_flag(self.server_ranks, _ABORT)  # the servers would wait for this push forever
+            raise
         self.steps += 1  # the pulled parameters are for the next step
         header = self._exchange(loss.detach().reshape(1).to(self.dtype), _PUSH)
         if self.mode == "sync":
@@ -145,10 +154,15 @@ class ParameterServer:
         """Worker: tell every server this worker is done (no reply); call it once, after the last step."""
         if self.is_server:
             raise RuntimeError(f"rank {self.mesh.rank} is a parameter server: serve() returns by itself")
-        for s in self.server_ranks:
-            done = torch.zeros(self.push_sizes[s], dtype=self.dtype, device=self.mesh.device)
-            done[-1] = _DONE
-            self.mesh.comm.send(done, s, self.world, tag="ps_done")
+        self._send_flag(self.server_ranks, _DONE)
+
+    def _send_flag(self, servers, flag: float) -> None:
+        """A push with no gradient and no reply to each of ``servers``: _DONE (this worker leaves) or
+        _ABORT (its step failed: the server refuses every other worker's push and raises)."""
+        for s in servers:
+            msg = torch.zeros(self.push_sizes[s], dtype=self.dtype, device=self.mesh.device)
+            msg[-1] = flag
+            self.mesh.comm.send(msg, s, self.world, tag="ps_done")
 
     def _exchange(self, loss: torch.Tensor, flag: float) -> torch.Tensor:
         """Push every partition's gradient to its server, then pull every partition; returns the
@@ -170,12 +184,13 @@ class ParameterServer:
                  for s, r in zip(self.server_ranks, replies)]
         for w in sends + works:
             w.wait()
+        refused = [int(r[-1 - _HEADER].item()) for r in replies if r[-1].item() != _OK]
+        if refused:  # (async) a server that answered before it heard of the failure expects our next push
+            self._send_flag([s for s, r in zip(self.server_ranks, replies) if r[-1].item() == _OK], _DONE)
+            raise RuntimeError(_stopped(refused[0]))
         headers = []
         with torch.no_grad():
             for s, reply in zip(self.server_ranks, replies):
-                if reply[-1].item() != _OK:
-                    raise RuntimeError(f"parameter server {s} stopped the run: the workers did not take the same "
-                                       "number of steps (sync mode needs every worker in every round)")
                 owned = [self.params[i] for i in self.partitions[s]]
                 values, rest = _unflatten(reply, owned)
                 for p, v in zip(owned, values):
@@ -206,15 +221,15 @@ class ParameterServer:
                      for j, w in enumerate(self.worker_ranks)]
             for work in works:
                 work.wait()
-            done = (inbox[:, -1] == _DONE).tolist()
-            if all(done):
+            flags = inbox[:, -1].tolist()
+            if all(f == _DONE for f in flags):
                 return
-            if any(done):  # some finished, some pushed: tell the pushers, then fail here too
-                for w, d in zip(self.worker_ranks, done):
-                    if not d:
-                        self.mesh.comm.send(self._reply(0.0, 0.0, 0.0, _FAILED), w, self.world, tag="ps_pull")
-                raise RuntimeError("sync parameter server: some workers finished while others pushed a gradient; "
-                                   "every worker must take the same number of steps")
+            if any(f != _PUSH for f in flags):  # a step failed, or some finished while others pushed
+                failed = next((w for w, f in zip(self.worker_ranks, flags) if f == _ABORT), -1)
+                for w, f in zip(self.worker_ranks, flags):  # tell the pushers, then fail here too
+                    if f == _PUSH:
+                        self.mesh.comm.send(self._reply(failed, 0.0, 0.0, _FAILED), w, self.world, tag="ps_pull")
+                raise RuntimeError(_stopped(failed))
             mean = inbox.mean(dim=0)
             norm = self._set_grads(mean[:n], (inbox[:, n:n + k] > 0).any(dim=0).tolist())
             self._step()
@@ -231,18 +246,31 @@ class ParameterServer:
         finished = [False] * W
         waiting = [False] * W  # pushed, not yet answered
         sending: list = [None] * W
+        failed = None  # a worker whose step failed: every other worker's push is refused from then on
         while not all(finished):
             # Whichever worker pushes first is served first. Blocking here cannot deadlock: the
             # gate below always releases the slowest unfinished worker, so someone is computing.
             i = self.mesh.comm.recv_any(inbox, self.world, tag="ps_push") - self.n_servers
-            if inbox[-1].item() == _DONE:
+            flag = inbox[-1].item()
+            if flag == _DONE or flag == _ABORT:
                 finished[i] = True
+                failed = self.worker_ranks[i] if flag == _ABORT and failed is None else failed
+            elif failed is not None:
+                waiting[i] = True  # refused just below
             else:
                 self.applied.append((i, pushes[i], self.steps))
                 self._set_grads(inbox[:n] / W, (inbox[n:n + k] > 0).tolist())
                 self._step()
                 pushes[i] += 1
                 waiting[i] = True
+            if failed is not None:  # every waiting worker is refused (and leaves), none is served again
+                for j in (j for j in range(W) if waiting[j]):
+                    if sending[j] is not None:
+                        sending[j].wait()
+                    sending[j] = self.mesh.comm.send(self._reply(failed, 0.0, 0.0, _FAILED), self.worker_ranks[j],
+                                                     self.world, async_op=True, tag="ps_pull")
+                    waiting[j], finished[j] = False, True
+                continue
             clock = min((pushes[j] for j in range(W) if not finished[j]), default=max(pushes))
             for j in range(W):
                 # Stale-synchronous gate: step pushes[j] may start once every unfinished worker has
@@ -256,6 +284,8 @@ class ParameterServer:
         for s in sending:
             if s is not None:
                 s.wait()
+        if failed is not None:
+            raise RuntimeError(_stopped(failed))
 
     def _set_grads(self, flat_grad: torch.Tensor, computed: list[bool]) -> float:
         """Point .grad at this server's slices of ``flat_grad`` (a fresh tensor the server owns: views,
@@ -286,6 +316,15 @@ class ParameterServer:
             values = [self.params[i].detach() for i in self.partitions[self.mesh.rank]]
             header = torch.tensor([a, b, c, status], dtype=self.dtype, device=self.mesh.device)
             return _flatten(values + [header])
+
+
+def _stopped(failed_worker: float) -> str:
+    """Why the servers stopped: a worker's failed step (its rank), or (-1) uneven step counts."""
+    if failed_worker >= 0:
+        return (f"the parameter servers stopped the run: worker rank {int(failed_worker)} failed in its step (its own "
+                "error says why), so no rank waits for its gradient; fix that and start again from a checkpoint")
+    return ("the parameter servers stopped the run: the workers did not take the same number of steps (sync mode "
+            "needs every worker in every round; some finished while others pushed a gradient)")
 
 
 def _flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
