@@ -70,13 +70,17 @@ __all__ = ["save", "load", "consolidate", "find_latest", "step_path", "Checkpoin
 
 # -- agreement ---------------------------------------------------------------------------------------
 
-def _agree(mesh, what: str, error: str | None, payload: Any = None) -> list[Any]:
+_SAVE_FIX = " (find_latest still returns the checkpoint saved before): free space or make the directory writable, " \
+    "then save again"  # what a save that failed in the file system says to do
+
+
+def _agree(mesh, what: str, error: str | None, payload: Any = None, fix: str = "") -> list[Any]:
     """Every rank's ``payload`` (one collective); CheckpointError on every rank if any rank had an error."""
     everyone = mesh.comm.all_gather_object((error, payload), mesh.world, tag="checkpoint")
     failed = [(r, e) for r, (e, _) in enumerate(everyone) if e is not None]
     if failed:
         lines = "\n".join(f"  rank {r}: {e}" for r, e in failed)
-        raise CheckpointError(f"{what} failed; nothing was changed:\n{lines}")
+        raise CheckpointError(f"{what} failed; nothing was changed{fix}:\n{lines}")
     return [p for _, p in everyone]
 
 
@@ -140,7 +144,7 @@ def save(path: str | os.PathLike, model, optimizer, extra_state: Any = None) -> 
             begin(path)
         except Exception as e:  # noqa: BLE001 -- any failure must reach every rank, not hang them
             error = f"cannot create {tmp}: {type(e).__name__}: {e}"
-    _agree(mesh, "checkpoint.save: creating the directory", error)
+    _agree(mesh, "checkpoint.save: creating the directory", error, fix=_SAVE_FIX)
 
     opt = optimizer_of(optimizer)
     group_of = {id(p): i for i, g in enumerate(opt.param_groups) for p in g["params"]}
@@ -180,7 +184,7 @@ def save(path: str | os.PathLike, model, optimizer, extra_state: Any = None) -> 
                 "aliases": aliases}
     except Exception as e:  # noqa: BLE001 -- any failure must reach every rank, not hang them
         error = f"writing {tmp / fname}: {type(e).__name__}: {e}"
-    infos = _agree(mesh, "checkpoint.save: writing the rank files", error, info)
+    infos = _agree(mesh, "checkpoint.save: writing the rank files", error, info, fix=_SAVE_FIX)
 
     error = None
     if mesh.rank == 0:
@@ -188,7 +192,7 @@ def save(path: str | os.PathLike, model, optimizer, extra_state: Any = None) -> 
             publish(path, tmp, infos, layout_of(model), type(opt).__name__)
         except Exception as e:  # noqa: BLE001
             error = f"publishing {path}: {type(e).__name__}: {e}"
-    _agree(mesh, "checkpoint.save: publishing", error)
+    _agree(mesh, "checkpoint.save: publishing", error, fix=_SAVE_FIX)
     return path
 
 
