@@ -25,15 +25,10 @@ from minipar.parameter_server import ParameterServer
 
 def traffic(stats, sent_rounds: int, received_rounds: int) -> dict[str, float]:
     """This rank's bytes per step: sent (wire), received, and their sum."""
-    sent = received = 0.0
-    for r in stats.records:
-        if r.tag == "ps_done":  # a worker's "done": once per run, not per step
-            continue
-        if r.op in ("send", "recv"):
-            sent, received = (sent + r.wire_bytes / sent_rounds, received) if r.op == "send" else \
-                (sent, received + r.bytes / received_rounds)
-        else:  # ring collectives: as much comes in as goes out
-            sent, received = sent + r.wire_bytes / sent_rounds, received + r.wire_bytes / received_rounds
+    records = [r for r in stats.records if r.tag != "ps_done"]  # a worker's "done": once per run, not per step
+    sent = sum(r.wire_bytes for r in records if r.op != "recv") / sent_rounds
+    # a recv takes in its payload; a ring collective takes in as much as it sends
+    received = sum(r.bytes if r.op == "recv" else r.wire_bytes for r in records if r.op != "send") / received_rounds
     return {"sent": sent, "received": received, "through": sent + received}
 
 
