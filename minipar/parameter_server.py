@@ -104,6 +104,16 @@ class ParameterServer:
         # a push: the partition's gradients, one "computed" flag per tensor, the loss, the push flag
         self.push_sizes = [n + len(part) + 2 for n, part in zip(self.numels, self.partitions)]
         self.dtype = self.params[0].dtype
+        # Every rank builds the optimizer (a worker over all parameters, then drops it): arguments its class
+        # refuses fail on every rank, before any message. On the servers alone, the workers would wait
+        # for their first pull forever.
+        owned = [self.params[i] for i in self.partitions[mesh.rank]] if self.is_server else self.params
+        try:
+            built = optimizer(owned, **optimizer_kwargs) if owned else None
+        except Exception as e:  # noqa: BLE001 -- whatever the class raises, every rank raises it the same way
+            raise ValueError(f"ParameterServer: {getattr(optimizer, '__name__', optimizer)}(params, "
+                             f"**{optimizer_kwargs!r}) cannot be built ({type(e).__name__}: {e}); fix the "
+                             "optimizer's arguments") from e
 
         self.world = mesh.world
         mesh.comm.check_same("ParameterServer(servers, mode, staleness, max_norm, parameter shapes)",
@@ -118,9 +128,7 @@ class ParameterServer:
         self.steps = 0
         self.last_grad_norm = 0.0
         if self.is_server:
-            self.shard = self.partitions[mesh.rank]
-            owned = [self.params[i] for i in self.shard]
-            self.optimizer = optimizer(owned, **optimizer_kwargs) if owned else None
+            self.shard, self.optimizer = self.partitions[mesh.rank], built
             for w in self.worker_ranks:  # the first pull: every worker starts from the servers' values
                 mesh.comm.send(self._reply(0.0, 0.0, 0.0), w, self.world, tag="ps_pull")
         else:

@@ -125,6 +125,14 @@ def ps_max_norm_as_text(mesh, tmp):
     return lambda: ParameterServer(_gpt(), mesh, torch.optim.SGD, servers=1, max_norm="1", lr=0.1)
 
 
+def ps_optimizer_arguments_it_refuses(mesh, tmp):
+    return lambda: ParameterServer(_gpt(), mesh, torch.optim.AdamW, servers=1, lr=-1.0)
+
+
+def ps_with_onebit_adam(mesh, tmp):
+    return lambda: ParameterServer(_gpt(), mesh, OneBitAdam, servers=1, lr=1e-3, freeze_step=2)
+
+
 def ps_on_a_tensor_parallel_mesh(mesh, tmp):
     return lambda: ParameterServer(_gpt(), mesh, torch.optim.SGD, servers=1, lr=0.1)
 
@@ -226,6 +234,11 @@ CASES = [
          "must be an int >= 1"),
     Case("parameter server", "max_norm given as text", 2, {}, ps_max_norm_as_text, "wrap", "max_norm='1'",
          "must be a number > 0 (or None: no clipping)"),
+    Case("parameter server", "optimizer arguments the optimizer refuses", 2, {}, ps_optimizer_arguments_it_refuses,
+         "wrap", "AdamW(params, **{'lr': -1.0}) cannot be built (ValueError: Invalid learning rate: -1.0)",
+         "fix the optimizer's arguments"),
+    Case("parameter server", "1-bit Adam as the servers' optimizer", 2, {}, ps_with_onebit_adam, "wrap",
+         "OneBitAdam communicates the momentum itself and needs the DDP strategy", "use strategy='ddp'"),
     Case("parameter server", "a tensor-parallel mesh", 2, dict(tp=2), ps_on_a_tensor_parallel_mesh, "wrap",
          "ParameterServer needs a purely data-parallel mesh", "build Mesh()"),
     Case("parameter server", "async with fp16 parameters", 2, {}, ps_async_in_half_precision, "wrap",
