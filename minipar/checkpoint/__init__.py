@@ -236,7 +236,7 @@ def load(path: str | os.PathLike | None, model, optimizer) -> Any:
         except CheckpointError as e:
             error = str(e)
         except Exception as e:  # noqa: BLE001 -- anything unexpected is still a refusal on every rank
-            error = f"{type(e).__name__}: {e}"
+            error = f"{type(e).__name__}: {e}" + ("; fix the file system and load again" if isinstance(e, OSError) else "")
         _agree(mesh, f"checkpoint.load of {path}", error)
         return _apply(model, optimizer, plan)
 
