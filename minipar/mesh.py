@@ -143,8 +143,9 @@ class Mesh:
                 sorted(r for ranks in lists for r in ranks) != list(range(self.world_size)):
             raise ValueError(f"new_group({name!r}): {lists} must hold every rank of the world (0 to "
                              f"{self.world_size - 1}) exactly once, in lists of at least one rank")
-        if backend not in (None, "gloo", "nccl"):
-            raise ValueError(f"new_group({name!r}): backend={backend!r}; use 'gloo' or 'nccl', or None (the world's)")
+        if backend is not None and (backend not in ("gloo", "nccl") or not dist.is_backend_available(backend)):
+            raise ValueError(f"new_group({name!r}): backend={backend!r} is not in this torch build; use 'gloo' or "
+                             "'nccl', or None (the world's)")
         mine = next(list(ranks) for ranks in lists if self.rank in ranks)
         pg = self._new_groups(lists, backend)
         return AxisGroup(name, tuple(mine), mine.index(self.rank), pg if len(mine) > 1 else None)

@@ -179,6 +179,10 @@ def new_group_on_an_unknown_backend(mesh, tmp):
     return lambda: mesh.new_group("g", [[0], [1]], backend="mpi")
 
 
+def new_group_on_nccl_without_nccl(mesh, tmp):
+    return lambda: mesh.new_group("g", [[0], [1]], backend="nccl")
+
+
 def checkpoint_of_onebit_adam_into_adamw(mesh, tmp):
     model = ShardedModule(_gpt(), mesh=mesh, strategy="ddp")
     checkpoint.save(tmp / "onebit", model, model.build_optimizer(OneBitAdam, lr=1e-3, freeze_step=2))
@@ -260,7 +264,9 @@ CASES = [
     Case("Mesh.new_group", "a rank in two lists", 2, {}, new_group_naming_a_rank_twice, "agreed",
          "new_group('g'): [[0], [0, 1]]", "exactly once"),
     Case("Mesh.new_group", "a backend torch does not have", 2, {}, new_group_on_an_unknown_backend, "agreed",
-         "new_group('g'): backend='mpi'", "use 'gloo' or 'nccl', or None (the world's)"),
+         "new_group('g'): backend='mpi' is not in this torch build", "use 'gloo' or 'nccl', or None (the world's)"),
+    Case("Mesh.new_group", "nccl in a torch built without it", 2, {}, new_group_on_nccl_without_nccl, "agreed",
+         "new_group('g'): backend='nccl' is not in this torch build", "use 'gloo' or 'nccl', or None (the world's)"),
     Case("checkpoints", "1-bit Adam's checkpoint loaded into AdamW", 2, {}, checkpoint_of_onebit_adam_into_adamw,
          "agreed", "the checkpoint's optimizer is OneBitAdam, this one is AdamW",
          "build the optimizer the checkpoint was saved with"),
@@ -300,6 +306,8 @@ def _on_ranks(ctx, sizes, action, tmp):
 def test_a_bad_input_is_refused_on_every_rank_with_the_fix(pools, tmp_path, case):
     if case.action in (dp_on_a_gpu_that_is_not_there, dp_on_gpu_numbers_without_gpus) and torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
+    if case.action is new_group_on_nccl_without_nccl and dist.is_nccl_available():
+        pytest.skip("this torch has NCCL")
     if case.world == 0:
         assert not dist.is_initialized()  # a collective here would fail: nothing is issued
         results = [_attempt(None, case.action, tmp_path) + (True,)]
