@@ -33,8 +33,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from minipar import (Mesh, MixedPrecision, Offload, OffloadError, OneBitAdam, ParameterServer, ShardedModule,
-                     checkpoint)
+from minipar import (CollectiveError, Mesh, MixedPrecision, Offload, OffloadError, OneBitAdam, ParameterServer,
+                     ShardedModule, checkpoint)
 from minipar import disk as disk_module
 from minipar.models import GPT, GPTConfig, gpt_loss
 from minipar.testing import RankError
@@ -256,6 +256,40 @@ def test_a_parameter_server_worker_whose_step_fails_stops_every_rank(pools, mode
             assert f"worker rank {last} failed in its step" in failed_run and "start again" in failed_run, \
                 (rank, failed_run)
         assert next_run == ("served" if rank < servers else "finished"), (rank, next_run)
+
+
+# -- a loss function that fails on the last pipeline stage ------------------------------------------------
+
+def _pipeline_loss_fails(ctx):
+    mesh = Mesh(pp=2, timeout=1)  # world 4: each pp group is a group of its own, with this timeout
+    model = ShardedModule(GPT(GPTConfig(**CFG)), mesh=mesh, microbatches=2)
+    x = _data(1)[0]
+    try:
+        model.train_step(x[:, :-1], x[:, 1:], lambda out, y: out.sum(-1))  # not a scalar: the loss fails
+        out = "trained"
+    except CollectiveError as e:
+        out = f"CollectiveError: {e}"
+    except RuntimeError as e:
+        out = f"RuntimeError: {e}"
+    mesh.destroy()
+    ones = torch.ones(1)
+    dist.all_reduce(ones)
+    return out, ones.item()
+
+
+def test_a_loss_that_fails_on_the_last_stage_ends_in_the_named_timeout(pools):
+    """A user's loss function runs on the last stage only; when it raises there, the first stage
+    waits for a gradient that never comes. What minipar promises then (README, "What minipar checks
+    for you"): the last stage raises the loss's own error at once, the first a CollectiveError naming
+    the receive (op, axis, ranks, tag) after the mesh's timeout, never an endless wait; the world
+    still works afterwards."""
+    for rank, (out, world) in enumerate(pools.run(4, _pipeline_loss_fails, timeout=60)):
+        if rank >= 2:  # the last stage
+            assert out.startswith("RuntimeError") and "CollectiveError" not in out, (rank, out)
+        else:
+            assert out.startswith("CollectiveError") and "recv over 'pp'" in out and "tag 'pp_grad'" in out, \
+                (rank, out)
+        assert world == 4, rank
 
 
 # -- file systems that refuse, fill or fail --------------------------------------------------------------
