@@ -16,6 +16,11 @@ an abort deep in a collective, a silently wrong model, or a lost or torn checkpo
 * NaN/inf in one rank's loss: every rank agrees. With fp16 loss scaling the step is skipped on every
   rank and the scale halves (the parameters stay as they were, and the next step trains); in fp32
   every rank ends with the NaN parameters one process would have, bitwise the same everywhere.
+* A user's code that fails on some ranks only: a parameter server's worker whose step raises (every
+  rank stops at once), a loss function that fails on the last pipeline stage (the others get the
+  named timeout, as README's "What minipar checks for you" promises).
+* Checkpoints across schedules and layouts (an interleaved pipeline into ZB-V, ZB-H1 into context
+  parallelism; cp and HSDP into plain data parallelism after the kills above).
 
 Bad configurations and inputs are in tests/test_bad_inputs.py.
 """
