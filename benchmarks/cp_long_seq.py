@@ -25,8 +25,8 @@ import torch.distributed as dist
 import harness
 import minipar
 from minipar import ShardedModule
-from minipar.context_parallel import attention_modules
-from minipar.formulas import ring_bytes
+from minipar.context_parallel.context import attention_modules
+from minipar.plan.formulas import ring_bytes
 from minipar.models import GPT, gpt_loss
 from minipar.models.data import markov_batch
 from minipar.recompute import ActivationMemory

@@ -4,7 +4,7 @@
         --n-head H --vocab V --seq T --batch B --json out.json]
 
 The same GPT on the same global batches (K*B sequences), one thread per worker: ``one`` (one thread,
-the whole batch), ``dp`` (``minipar.data_parallel.DataParallel``: K replicas in K threads), ``ddp``
+the whole batch), ``dp`` (``minipar.data_parallel.single_process.DataParallel``: K replicas in K threads), ``ddp``
 (``ShardedModule(strategy="ddp")`` in K processes of a ``minipar.testing.RankPool``), each timed by
 `harness.interleave`. Printed: medians and ratios; DataParallel's step by phase with the bytes copied
 (here and on K devices); the losses. DataParallel loses to DDP even on one machine: it rebuilds the
@@ -22,7 +22,7 @@ import torch
 
 import harness
 import minipar
-from minipar.data_parallel import DataParallel
+from minipar.data_parallel.single_process import DataParallel
 from minipar.models import GPT, gpt_loss
 from minipar.testing import RankPool
 

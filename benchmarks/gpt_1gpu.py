@@ -13,7 +13,7 @@ under ``torch.compile``; minipar_compile: minipar with the wrapped GPT compiled 
 The timed steps run back to back between one CUDA-event pair (no host sync between them: how far the
 host stays ahead is the point, so this is not `harness.interleave`'s rule). Per mode: step time,
 tokens/s, MFU (as the main job's), peak memory, the first and last loss, and one step's host syncs
-(``minipar.syncs``: would wait; ``torch.cuda.set_sync_debug_mode``: did). Goal on an H100: MFU >= 0.50
+(``minipar.core.syncs``: would wait; ``torch.cuda.set_sync_debug_mode``: did). Goal on an H100: MFU >= 0.50
 for minipar, at least PyTorch eager's tokens/s. ``--profile DIR``: three steps per mode under
 ``torch.profiler`` instead (``step_profile.py``), traces in DIR. Without CUDA: says so and runs ``--smoke``
 (a tiny model on the CPU, minipar and torch modes), which checks the script, not speed.
@@ -36,7 +36,7 @@ import minipar
 from minipar import MixedPrecision, ShardedModule
 from minipar.models import GPT, GPTConfig
 from minipar.models.data import markov_batch
-from minipar.syncs import count_host_syncs
+from minipar.core.syncs import count_host_syncs
 
 import harness
 from gpt_tp_pp import matmul_params, peak_flops
@@ -130,7 +130,7 @@ class Runner:
 
 
 def sync_counts(runner: Runner, x: torch.Tensor) -> dict:
-    """One step's host syncs: the calls that would wait (minipar.syncs; on CUDA only reads of device
+    """One step's host syncs: the calls that would wait (minipar.core.syncs; on CUDA only reads of device
     tensors) and, on CUDA, the ones torch saw wait (set_sync_debug_mode "warn" turns each into a
     warning). The step is run twice and the second counted: the counting mode changes what a compiled
     model's guards see, and the first pass may recompile."""

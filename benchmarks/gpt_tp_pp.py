@@ -32,10 +32,10 @@ import minipar
 from minipar import MixedPrecision, ShardedModule, checkpoint
 from minipar.models import GPT, GPTConfig, MoEGPT, MoEGPTConfig, gpt_loss
 from minipar.models.data import markov_batch
-from minipar.moe import moe_layers
+from minipar.moe.layer import moe_layers
 from minipar.pipeline import SCHEDULES, RankTimeline, chunks_per_rank, simulate, write_trace
 from minipar.pipeline.timeline import draw_timeline, measured_bubble
-from minipar.ring_attention import zigzag_positions
+from minipar.context_parallel.ring_attention import zigzag_positions
 
 if os.path.dirname(os.path.abspath(__file__)) not in sys.path:  # loaded by its path (tests/test_main_job.py)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -3,7 +3,7 @@
     torchrun --nproc_per_node=2 benchmarks/moe_ep.py [--tokens 2048 --d-model 256 --d-hidden 1024
         --experts 8 --top-k 2 --capacity-factor 1.25 --steps 20 --warmup 3 --json PATH]
 
-Each rank routes its tokens through a `minipar.moe.MoELayer` with its experts split over the ranks; the
+Each rank routes its tokens through a `minipar.moe.layer.MoELayer` with its experts split over the ranks; the
 baseline is the whole layer on rank 0 on the global batch, routed as P groups (the same capacity
 decisions). Forward + backward timed by `harness.interleave`. Printed: tokens/s and their ratio; each
 rank's bytes per forward beside what its routing implies (exit 1 unless equal) and the uniform-routing
@@ -18,7 +18,7 @@ import torch
 
 import harness
 import minipar
-from minipar.moe import MoELayer
+from minipar.moe.layer import MoELayer
 
 
 def main() -> int:

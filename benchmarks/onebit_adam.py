@@ -21,7 +21,7 @@ import minipar
 from minipar import ShardedModule
 from minipar.models import GPT, gpt_loss
 from minipar.models.data import markov_batch
-from minipar.onebit import OneBitAdam
+from minipar.data_parallel.onebit import OneBitAdam
 
 
 def trainer(args, mesh, optimizer_cls, wire: list, **extra):

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import harness
 import minipar
 from minipar.models import GPT, gpt_loss
-from minipar.parameter_server import ParameterServer
+from minipar.data_parallel.parameter_server import ParameterServer
 
 
 def traffic(stats, sent_rounds: int, received_rounds: int) -> dict[str, float]:

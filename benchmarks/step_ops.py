@@ -4,7 +4,7 @@
 
 On a GPU every operator below autograd is a kernel launch the host must issue. This runs
 ``gpt_1gpu.py``'s single-GPU setting (ZeRO-1, bf16 parameters, fp32 masters) at a tiny width on the CPU
-and counts one step's operators (`minipar.syncs.count_launches`: views excluded, each minipar kernel one
+and counts one step's operators (`minipar.core.syncs.count_launches`: views excluded, each minipar kernel one
 custom operator); under ``TRITON_INTERPRET=1`` the kernels take their GPU path. Prints the total, the
 parameter count and the most issued (the count depends on the depth and options, not the width).
 """
@@ -18,7 +18,7 @@ import torch
 import minipar
 from minipar import MixedPrecision, ShardedModule
 from minipar.models import GPT, GPTConfig, gpt_loss
-from minipar.syncs import count_launches
+from minipar.core.syncs import count_launches
 
 
 def main() -> None:

@@ -32,9 +32,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import harness
 import minipar
-from minipar.comm import wire_bytes
+from minipar.core.comm import wire_bytes
 from minipar.models import GPT
-from minipar.placement import placement_of
+from minipar.core.placement import placement_of
 from minipar.tensor_parallel import parallelize, vocab_parallel_cross_entropy
 
 RATIO_LIMIT, RATIO_GOAL = 1.25, 1.00

@@ -34,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import harness
 import minipar
-from minipar.formulas import DataParallel, ParamSet, dp_calls, shard_formula, summarize
+from minipar.plan.formulas import DataParallelShape, ParamSet, dp_calls, shard_formula, summarize
 from minipar.models import GPT, gpt_loss
 from minipar.models.data import markov_batch
 
@@ -176,7 +176,7 @@ def measure_memory(side: Side) -> dict:
 
 
 def memory_rows(mem: dict[str, dict], phi: int, n: int, mixed: bool, keys: list[tuple[str, str, str]]) -> list:
-    """keys: (row label, key into mem, formula strategy); each row beside `minipar.formulas.shard_formula`."""
+    """keys: (row label, key into mem, formula strategy); each row beside `minipar.plan.formulas.shard_formula`."""
     text = ({"ddp": "2Φ + 2Φ + 12Φ = 16Φ", "zero1": "2Φ + 2Φ + 12Φ/N", "zero2": "2Φ + 2Φ/N + 12Φ/N",
              "zero3": "16Φ/N"} if mixed else
             {"ddp": "4Φ + 4Φ + 8Φ = 16Φ", "zero1": "4Φ + 4Φ + 8Φ/N", "zero2": "4Φ + 4Φ/N + 8Φ/N", "zero3": "16Φ/N"})
@@ -217,14 +217,14 @@ def comm_per_step(records: list, steps: int) -> dict:
 
 
 def zero3_expected(sm: minipar.ShardedModule, wrap_policy) -> dict:
-    """Exact wire bytes per step of minipar zero3 (`minipar.formulas.dp_calls`: units gathered twice,
+    """Exact wire bytes per step of minipar zero3 (`minipar.plan.formulas.dp_calls`: units gathered twice,
     root once, every gradient reduce-scattered, padded flat groups), and the unpadded closed form."""
     st = sm.strategy
     n = st.group.size
     pes = torch.empty((), dtype=st.policy.param_dtype).element_size()
     ges = torch.empty((), dtype=st.policy.grad_dtype).element_size()
     ps = ParamSet.of(sm.module, wrap_policy)
-    calls = dp_calls(ps, DataParallel("zero3", n, param=pes, grad=ges))
+    calls = dp_calls(ps, DataParallelShape("zero3", n, param=pes, grad=ges))
     wire = {op: summarize([c for c in calls if c.op == op])["dp"]["wire"] for op in ("all_gather", "reduce_scatter")}
     phi_root = sum(ps.tensors[i].numel() for i in ps.units[-1]) if ps.has_root else 0
     phi_units = ps.numel - phi_root

@@ -46,7 +46,7 @@ runs the same autograd Function shape with the primitives in torch ops (fp32
 temporaries of the logits' size), the reference the kernels are tested against.
 ``cross_entropy`` raises IndexError for an out-of-range target that is not
 ``ignore_index`` on the PyTorch path on CPU tensors, as ``F.cross_entropy`` does, but not on a GPU,
-where the check would make the host wait for the device (``minipar.syncs``),
+where the check would make the host wait for the device (``minipar.core.syncs``),
 nor under the interpreter, which stands in for the GPU, nor while torch.compile traces.
 ``ShardedModule.train_step`` checks every target before any compute.
 """

@@ -28,8 +28,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .mesh import Mesh
-from .syncs import read_on_host
+from .core.mesh import Mesh
+from .core.syncs import read_on_host
 
 _SHAPE_DIMS = 4  # batch shapes compared: up to this many dims (ids are (batch, seq))
 
@@ -92,7 +92,7 @@ def check_batch(mesh: Mesh, inputs: Any, targets: Any, vocab_size: int | None, b
                 seq_shards_why: str = "", ids_only_why: str = "") -> list[int]:
     """ValueError on every rank if any rank's batch is bad (see the module docstring). One
     all-gather of ``8 + 2 * _SHAPE_DIMS`` integers per rank over the world, which also carries
-    each rank's ``active`` flag (`minipar.join`: 1 training, 0 shadowing, -1 out of data before
+    each rank's ``active`` flag (`minipar.data_parallel.join`: 1 training, 0 shadowing, -1 out of data before
     its first step); returns every rank's flag. ``microbatches`` must divide the batch and
     ``seq_shards`` the sequence (``seq_shards_why`` says who cuts it: "tp=2" under sequence
     parallelism, "2 x cp=2" under ring attention). ``ids_only_why``, when given, says why the inputs

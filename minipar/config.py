@@ -13,14 +13,14 @@ from typing import Any
 
 import torch.nn as nn
 
-from .ddp import DataParallel
-from .fsdp import Zero3
-from .mesh import Mesh
+from .data_parallel.ddp import DDP
+from .data_parallel.zero3 import Zero3
+from .core.mesh import Mesh
 from .pipeline.step import PipelineConfig
-from .precision import FP32
-from .strategy import DataParallelConfig, Strategy
+from .data_parallel.precision import FP32
+from .data_parallel.strategy import DataParallelConfig, Strategy
 from .tensor_parallel import TensorParallelConfig
-from .zero import Zero1, Zero2
+from .data_parallel.zero12 import Zero1, Zero2
 
 # The flat keyword arguments ShardedModule also takes, and the config each belongs to (and its field).
 _FLAT_OPTIONS = {
@@ -63,7 +63,7 @@ def build_strategy(config: DataParallelConfig, module: nn.Module, mesh: Mesh, re
     """The data-parallel strategy of ``config`` over ``module``'s (tensor-/expert-parallel local) parameters."""
     policy = config.mixed_precision or FP32
     if not config.sharded:
-        return DataParallel(module, mesh, bucket_cap_mb=config.bucket_cap_mb)
+        return DDP(module, mesh, bucket_cap_mb=config.bucket_cap_mb)
     if config.zero3:
         return Zero3(module, mesh, policy, config.offload, config.wrap_policy, reshard_after_forward,
                      config.unit_check)

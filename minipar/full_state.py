@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from .placement import placement_of
+from .core.placement import placement_of
 
 
 def global_names(model) -> tuple[dict[int, str], dict[str, str]]:

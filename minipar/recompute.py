@@ -163,7 +163,7 @@ def select_checkpointed(module: nn.Module, policy: Any, require: bool = True) ->
     ``require``: raise ValueError when nothing matches (False for a pipeline stage, which may hold
     none of the chosen modules; the whole model was checked first).
     """
-    from .units import select_units
+    from .core.units import select_units
 
     if policy is not True and (policy is None or isinstance(policy, (bool, int, float, str))):
         raise ValueError(f"activation_checkpointing={policy!r} is not understood; pass True (each nn.ModuleList "

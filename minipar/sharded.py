@@ -8,8 +8,8 @@
 
 The wrapper adds no behaviour of its own to forward: arguments, keyword
 arguments and outputs of the wrapped module pass through unchanged. Each
-strategy lives in its own module (`minipar.ddp`, ...) and answers the
-`minipar.strategy.Strategy` protocol; this file checks the configuration,
+strategy lives in its own module (`minipar.data_parallel.ddp`, ...) and answers the
+`minipar.data_parallel.strategy.Strategy` protocol; this file checks the configuration,
 builds the layers (tensor parallelism, pipeline stage, experts, then the
 data-parallel strategy) and asks the strategy only through that protocol.
 """
@@ -27,22 +27,23 @@ from torch.utils._pytree import tree_map
 
 from . import kernels
 from .checks import agree_on_model, broadcast_initial_state, check_batch
-from .context_parallel import ContextParallel, check_form
-from .units import select_units
+from .context_parallel.context import ContextParallel, check_form
+from .core.units import select_units
 from .full_state import full_tensors
-from .grad_norm import clip_
-from .join import Join, scaled
-from .mesh import Mesh
-from .moe import check_moe_config, moe_layers, shard_experts
-from .offload import agree as agree_offload, check_path
+from .core.grad_norm import clip_
+from .data_parallel.join import Join, scaled
+from .core.mesh import Mesh
+from .moe.layer import check_moe_config, moe_layers, shard_experts
+from .data_parallel.offload import agree as agree_offload, check_path
 from .recompute import check_units, checkpoint_modules, select_checkpointed
 from .pipeline import Stage, default_boundaries, resolve_boundaries, spec_for
+from .pipeline.cut_check import check_spec
 from .pipeline.spec import find
 from .pipeline.step import Pipeline, PipelineConfig
-from .precision import FP32
+from .data_parallel.precision import FP32
 from .config import build_strategy, resolve_configs
-from .strategy import DataParallelConfig, Strategy
-from .syncs import to_device
+from .data_parallel.strategy import DataParallelConfig, Strategy
+from .core.syncs import to_device
 from .tensor_parallel import TensorParallelConfig, check_plan, mark_sequence_parallel, parallelize, vocab_parallel_cross_entropy
 
 class ShardedModule(nn.Module):
@@ -58,7 +59,7 @@ class ShardedModule(nn.Module):
         pipeline: a `PipelineConfig` (schedule: gpipe, 1f1b, interleaved_1f1b, zb_h1, zb_v;
             micro-batches, virtual stages, boundaries, timeline), used when pp > 1.
         context_parallel: "ring" or "ulysses" (default ring) when the mesh has cp > 1: the cp ranks
-            split each sequence (`minipar.context_parallel`); forward then takes this rank's tokens.
+            split each sequence (`minipar.context_parallel.context`); forward then takes this rank's tokens.
         activation_checkpointing: recompute chosen blocks in backward instead of keeping their
             activations: True (each nn.ModuleList entry: the transformer blocks), a tuple of module
             classes, or a callable(module) -> bool; dropout masks are replayed (`minipar.recompute`).
@@ -93,7 +94,7 @@ class ShardedModule(nn.Module):
         runner = None
         if mesh.pp > 1:  # a model we cannot cut, or bad cuts: ValueError before any collective
             spec = pp_config.stage_spec or spec_for(module)
-            spec.check(module)
+            check_spec(module, spec)
             n_blocks = len(find(module, spec.blocks))
             tied = find(module, spec.tied[0]) if spec.tied_in(module) else None
             tied_shape = (tied.shape[0] // mesh.tp,) + tuple(tied.shape[1:]) if tied is not None else None
@@ -215,7 +216,7 @@ class ShardedModule(nn.Module):
         The batch is checked first, on every rank (`minipar.checks.check_batch`: ids and targets in
         the vocabulary, ``-100`` ignored; the sequence within the block size; the same shape on tp
         and pp peers), where it is given: a batch on the host is checked there and then copied to
-        ``mesh.device`` (the step then never waits for the device, `minipar.syncs`). The global loss is the mean of the data-parallel ranks' losses: the
+        ``mesh.device`` (the step then never waits for the device, `minipar.core.syncs`). The global loss is the mean of the data-parallel ranks' losses: the
         loss of the global batch when every rank holds the same number of samples.
         The optimizer step is left to the caller. Under pipeline parallelism the
         batch is cut into micro-batches and run by the schedule (`minipar.pipeline.step`).
@@ -235,7 +236,7 @@ class ShardedModule(nn.Module):
         if self.context is not None:  # each cp rank keeps its tokens; the loss is weighted to stay the mean
             inputs, targets, loss_fn = self.context.split(inputs, targets, loss_fn)
         factor = 1.0
-        if self._join is not None:  # uneven data (`minipar.join`): None once no rank trains any more
+        if self._join is not None:  # uneven data (`minipar.data_parallel.join`): None once no rank trains any more
             if not any(f == 1 for f in flags):
                 return None
             self._join.record("train_step", inputs, targets, loss_fn)
@@ -270,7 +271,7 @@ class ShardedModule(nn.Module):
     @contextlib.contextmanager
     def join(self, optimizer) -> Iterator[None]:
         """Train on uneven data: a rank that leaves the block while others still train shadows their
-        steps until all are done (`minipar.join`). ``optimizer``: the one ``build_optimizer`` gave."""
+        steps until all are done (`minipar.data_parallel.join`). ``optimizer``: the one ``build_optimizer`` gave."""
         if self._join is not None:
             raise ValueError("join() blocks do not nest")
         self._join = Join(self, optimizer)
@@ -290,7 +291,7 @@ class ShardedModule(nn.Module):
         return self.strategy.build_optimizer(optimizer_cls, **kwargs)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip gradients by the norm of the whole model's gradient (`minipar.grad_norm`: every shard,
+        """Clip gradients by the norm of the whole model's gradient (`minipar.core.grad_norm`: every shard,
         padding excluded, tensor-parallel and expert pieces summed, stages summed, the tied weight
         once); returns that norm, equal on every rank (except after `minipar.OneBitAdam`'s warm-up,
         where gradients are no longer reduced and each rank clips its own by its local norm)."""

@@ -67,7 +67,7 @@ def _worker(rank: int, world_size: int, port: int, backend: str, timeout_s: floa
     device = "cpu"
     if backend == "nccl" or os.environ.get("MINIPAR_TEST_DEVICE") == "cuda":
         # nccl: one GPU per rank. gloo with MINIPAR_TEST_DEVICE=cuda: the ranks share the GPUs (nccl
-        # refuses two ranks on one GPU), and Mesh() computes there too (MINIPAR_DEVICE, minipar.mesh).
+        # refuses two ranks on one GPU), and Mesh() computes there too (MINIPAR_DEVICE, minipar.core.mesh).
         torch.cuda.set_device(rank % torch.cuda.device_count())
         device = f"cuda:{rank % torch.cuda.device_count()}"
         os.environ["MINIPAR_DEVICE"] = "cuda"
@@ -120,7 +120,7 @@ def _free_task_groups(dist) -> None:
     local to the rank (no collective), so the ranks need not agree on the order;
     the group's threads stop when its last reference goes, with the task's
     objects (strategies hold nothing in cycles through tensors: see
-    ``grad_buckets.owner``).
+    ``minipar.data_parallel.buckets.owner``).
     """
     registry = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_map", None)
     if registry is None:  # torch moved its registry: leave the groups (slower, never wrong)

@@ -141,7 +141,7 @@ class CausalSelfAttention(nn.Module):
             self.v_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.o_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.dropout = cfg.dropout
-        # Context parallelism (`minipar.context_parallel`) sets this: q, k, v (batch, heads, local
+        # Context parallelism (`minipar.context_parallel.context`) sets this: q, k, v (batch, heads, local
         # tokens, head_dim) -> output, attention over the whole sequence that the cp ranks split.
         self.context_attention = None
 

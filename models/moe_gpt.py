@@ -1,5 +1,5 @@
 """The GPT of `minipar.models.gpt` with mixture-of-experts MLPs: every block's MLP is a
-`minipar.moe.MoELayer` (top-k router, capacity, GELU experts). Everything else -- attention,
+`minipar.moe.layer.MoELayer` (top-k router, capacity, GELU experts). Everything else -- attention,
 norms, embeddings, the tied head, deterministic initialisation -- is the dense GPT's.
 
 ``route_groups`` is for the single-process reference of a multi-rank run: the
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from minipar.moe import MoELayer, check_moe_config, moe_layers
+from minipar.moe.layer import MoELayer, check_moe_config, moe_layers
 
 from .gpt import GPT, GPTConfig
 

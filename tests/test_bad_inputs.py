@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from minipar import Mesh, Offload, OneBitAdam, ParameterServer, PipelineConfig, ShardedModule, checkpoint
-from minipar.data_parallel import DataParallel
+from minipar.data_parallel.single_process import DataParallel
 from minipar.models import GPT, GPTConfig
 from minipar.pipeline import spec_for
 

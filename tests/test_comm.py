@@ -1,5 +1,5 @@
-"""The collective layer (minipar.comm), the mesh groups (minipar.mesh) and the
-autograd-aware conjugate collectives (minipar.regions), each checked against a
+"""The collective layer (minipar.core.comm), the mesh groups (minipar.core.mesh) and the
+autograd-aware conjugate collectives (minipar.core.regions), each checked against a
 reference that every rank computes from every rank's input.
 
 Data. Every tensor is generated from ``(seed, slot, owner)``: ``owner`` is the
@@ -32,8 +32,8 @@ from hypothesis import example, given, strategies as st
 from torch.testing import assert_close
 
 from minipar import regions
-from minipar.comm import Comm
-from minipar.mesh import AXES, Mesh, axis_rank_lists
+from minipar.core.comm import Comm
+from minipar.core.mesh import AXES, Mesh, axis_rank_lists
 
 WORLDS = (1, 2, 3, 4)
 SHARED = -1  # owner of a tensor that every rank holds
@@ -450,7 +450,7 @@ def test_axis_rank_lists_partition_and_coordinates(world):
 
 
 def test_axis_rank_lists_docstring_example():
-    """World 8, Mesh(dp=2, tp=2, pp=2), as drawn in minipar/mesh.py."""
+    """World 8, Mesh(dp=2, tp=2, pp=2), as drawn in minipar/core/mesh.py."""
     kw = dict(dp=2, tp=2, pp=2)
     as_sets = lambda axis: sorted(map(sorted, axis_rank_lists(axis, **kw)))  # noqa: E731
     assert as_sets("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
@@ -700,7 +700,7 @@ def test_regions_forward_backward_and_counts(pools, case):
 def _rank_p2p_through_host(ctx):
     """send/recv with the host-staging path forced on (it serves CUDA tensors over gloo): values and
     counts as the direct path's, sync and async."""
-    import minipar.comm as comm_module
+    import minipar.core.comm as comm_module
     from unittest import mock
     mesh = Mesh()
     peer = 1 - mesh.rank

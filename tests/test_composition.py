@@ -38,7 +38,7 @@ import torch.nn as nn
 from minipar import DataParallelConfig, Mesh, MixedPrecision, PipelineConfig, ShardedModule, TensorParallelConfig
 from minipar.models import GPT, GPTConfig, MoEGPT, MoEGPTConfig, gpt_loss
 
-from minipar.ring_attention import zigzag_positions
+from minipar.context_parallel.ring_attention import zigzag_positions
 from minipar.config import resolve_configs
 
 from helpers import LR, WD, train_rows

@@ -16,9 +16,10 @@ import pytest
 import torch
 from hypothesis import example, given, strategies as st
 
-from minipar import Mesh, ShardedModule, formulas
+from minipar import Mesh, ShardedModule
+from minipar.plan import formulas
 from minipar.models import GPT, GPTConfig, gpt_loss
-from minipar.formulas import ring_bytes
+from minipar.plan.formulas import ring_bytes
 
 from helpers import EPS, LR, WD, reference_steps
 
@@ -182,7 +183,7 @@ def test_refusals_say_what_to_change(pools, layout, cfg, form, seq, message, tag
 def test_mesh_layout_puts_cp_between_tp_and_dp():
     """rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank; dp_cp joins every dp and cp
     rank of one tp rank and stage (the gradient axis); edp and dp_shard take in the cp ranks."""
-    from minipar.mesh import axis_rank_lists
+    from minipar.core.mesh import axis_rank_lists
     kw = dict(dp=2, cp=2, tp=2, pp=1)
     assert axis_rank_lists("tp", **kw) == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert axis_rank_lists("cp", **kw) == [[0, 2], [1, 3], [4, 6], [5, 7]]

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 from hypothesis import given, strategies as st
 
-from minipar.data_parallel import DataParallel, ReplicaError
+from minipar.data_parallel.single_process import DataParallel, ReplicaError
 from minipar.models import GPT, GPTConfig, gpt_loss
 
 LR, WD, MAX_NORM = 1e-2, 0.1, 1e-3  # a norm this small is always exceeded: clipping fires every step

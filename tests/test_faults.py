@@ -11,7 +11,7 @@ an abort deep in a collective, a silently wrong model, or a lost or torn checkpo
   at fp32 tolerances under another.
 * File systems: a full disk, a refused or read-only directory and a failing read, injected by
   replacing ``torch.save``, ``os.mkdir``, ``open`` or the offload files' system-call wrappers
-  (``minipar.disk._pread_into``/``_pwrite``) on one rank (the tests run as root, which no
+  (``minipar.data_parallel.disk._pread_into``/``_pwrite``) on one rank (the tests run as root, which no
   permission bit stops).
 * NaN/inf in one rank's loss: every rank agrees. With fp16 loss scaling the step is skipped on every
   rank and the scale halves (the parameters stay as they were, and the next step trains); in fp32
@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from minipar import (CollectiveError, Mesh, MixedPrecision, Offload, OffloadError, OneBitAdam, ParameterServer,
                      ShardedModule, checkpoint)
-from minipar import disk as disk_module
+from minipar.data_parallel import disk as disk_module
 from minipar.models import GPT, GPTConfig, gpt_loss
 from minipar.testing import RankError
 

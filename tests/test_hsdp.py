@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from minipar import Mesh, ShardedModule, formulas
+from minipar import Mesh, ShardedModule
+from minipar.plan import formulas
 from minipar.models import GPT, GPTConfig, gpt_loss
 
 from helpers import EPS, LR, WD, accumulated_step, batches

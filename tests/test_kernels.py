@@ -15,7 +15,7 @@ from hypothesis import given, settings, strategies as st
 
 from minipar import kernels
 from minipar.kernels import permute, unpermute
-from minipar.syncs import count_host_syncs
+from minipar.core.syncs import count_host_syncs
 
 from kernel_testing import interpreted, launched, lowp_ok, run_interpreted
 
@@ -119,7 +119,7 @@ def test_permute_unpermute_in_torch_compile():
 @interpreted
 def test_permute_unpermute_make_no_host_sync():
     """permute and unpermute, forward and backward: nothing would make the host wait for a GPU (no bincount,
-    no count read back; ``minipar.syncs``)."""
+    no count read back; ``minipar.core.syncs``)."""
     index = torch.tensor([3, 0, 3, 5, 1, 3])
     x = torch.randn(6, 20, requires_grad=True)
     with count_host_syncs() as syncs, launched("gather_rows_kernel"), launched("segment_sum_rows_kernel"):

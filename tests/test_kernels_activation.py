@@ -18,7 +18,7 @@ from hypothesis import given, settings, strategies as st
 
 from minipar import kernels
 from minipar.kernels.activation import gelu, swiglu
-from minipar.syncs import count_host_syncs
+from minipar.core.syncs import count_host_syncs
 
 from kernel_testing import interpreted, launched, lowp_ok, pytorch_path, run_interpreted
 
@@ -182,7 +182,7 @@ def test_compiled_equals_eager(dtype):
 @interpreted
 def test_launchers_make_no_host_sync():
     """gelu and swiglu, forward and backward, with a non-contiguous input: nothing would make the host wait
-    for a GPU (``minipar.syncs``; the interpreter's own reads are not counted)."""
+    for a GPU (``minipar.core.syncs``; the interpreter's own reads are not counted)."""
     g = torch.Generator().manual_seed(3)
     gate, up = make((40, 30), "transposed", 2.0, g, torch.bfloat16), make((40, 30), "strided", 1.0, g, torch.bfloat16)
     with count_host_syncs() as syncs, launched("gelu_bwd_kernel"), launched("swiglu_bwd_kernel"):

@@ -23,7 +23,7 @@ from hypothesis import given, settings, strategies as st
 
 from minipar import kernels
 from minipar.kernels.adamw import adamw_step_, fused_step, supports
-from minipar.syncs import count_host_syncs
+from minipar.core.syncs import count_host_syncs
 
 from kernel_testing import interpreted, launched, pytorch_path, run_interpreted
 

@@ -22,7 +22,7 @@ Checked for every kernel, from the SASS:
   except the scalar loads its table entry names;
 * integer instructions are a minority (software rounding, the interpreter's workaround, showed up as
   a third of some kernels);
-and from the launchers: none makes a host sync (`minipar.syncs`), none calls ``.item()``.
+and from the launchers: none makes a host sync (`minipar.core.syncs`), none calls ``.item()``.
 Per-kernel promises (a row loaded once when it fits, the loads a design needs) are in ``PROMISES``.
 """
 
@@ -42,7 +42,7 @@ import torch
 
 from minipar import kernels
 from minipar.kernels import dispatch
-from minipar.syncs import count_host_syncs
+from minipar.core.syncs import count_host_syncs
 
 from kernel_testing import INTERPRETING
 
@@ -337,7 +337,7 @@ def test_the_row_is_read_once(name):
 @pytest.mark.parametrize("case", sorted(_cases(torch.bfloat16)))
 def test_launchers_make_no_host_sync(case):
     """Each public function, forward and backward, with the Triton path taken: no call that would make
-    the host wait for a GPU (``minipar.syncs``; CPU tensors stand for device tensors here)."""
+    the host wait for a GPU (``minipar.core.syncs``; CPU tensors stand for device tensors here)."""
     fn = _cases(torch.bfloat16)[case]
     with dispatch.recording() as launches, count_host_syncs() as syncs:
         fn()

@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from minipar import kernels
 from minipar.kernels.cross_entropy import cross_entropy, needs_int64, row_stats, token_losses, xent_grad
-from minipar.syncs import count_host_syncs
+from minipar.core.syncs import count_host_syncs
 
 from kernel_testing import INTERPRETING, interpreted, launched, lowp_ok, max_err, pytorch_path, run_interpreted
 

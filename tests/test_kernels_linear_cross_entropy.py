@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_leaves
 from minipar import kernels
 from minipar.kernels import linear_cross_entropy
 from minipar.kernels.linear_cross_entropy import default_chunk_rows
-from minipar.syncs import count_host_syncs
+from minipar.core.syncs import count_host_syncs
 
 from kernel_testing import INTERPRETING, interpreted, launched, max_err, pytorch_path, run_interpreted
 

@@ -18,7 +18,7 @@ from hypothesis import given, settings, strategies as st
 
 from minipar import kernels
 from minipar.kernels.scale_cast import scale_cast_
-from minipar.syncs import count_host_syncs
+from minipar.core.syncs import count_host_syncs
 
 from kernel_testing import interpreted, launched, pytorch_path, run_interpreted
 

@@ -4,7 +4,7 @@ gradient bucket (or ZeRO-3 unit), never one per parameter.
 On a GPU every operation is a kernel launch the host must issue, and a 350M GPT has ~400 parameters:
 two launches per parameter per step (a copy and a divide into the gradient buckets, as minipar did)
 cost as much host time as the model's own layers. Counted here on the CPU with
-`minipar.syncs.count_launches` (the ATen operators that would launch work), for a GPT with and without
+`minipar.core.syncs.count_launches` (the ATen operators that would launch work), for a GPT with and without
 biases: the biases add 8 parameters per block and change the model's own operations (addmm for mm,
 the bias gradients' sums), which the plain PyTorch forward and backward of the same model measure.
 minipar's operations beyond the plain model's must be the same for both forms.
@@ -18,7 +18,7 @@ import torch
 import minipar
 from minipar import MixedPrecision, ShardedModule
 from minipar.models import GPT, GPTConfig, gpt_loss
-from minipar.syncs import count_launches
+from minipar.core.syncs import count_launches
 
 CFG = dict(vocab_size=64, block_size=16, n_layer=3, n_head=2, n_embd=32)
 

@@ -12,8 +12,8 @@ import torch.nn as nn
 from hypothesis import example, given, strategies as st
 
 from minipar import Mesh, ShardedModule
-from minipar.moe import MoELayer, capacity, route
-from minipar.placement import placement_of
+from minipar.moe.layer import MoELayer, capacity, route
+from minipar.core.placement import placement_of
 from minipar.models import MoEGPT, MoEGPTConfig, gpt_loss
 
 from helpers import LR, WD

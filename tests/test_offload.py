@@ -1,9 +1,9 @@
-"""Offload (`minipar.offload`): optimizer state and zero3 parameter shards in host memory or files.
+"""Offload (`minipar.data_parallel.offload`): optimizer state and zero3 parameter shards in host memory or files.
 
 Offloading moves state, never arithmetic, so the proof is bitwise: every layout below trains
 exactly as the same run without offload (which the ZeRO tests prove equal to one process), in
-fp32 and in bf16. In the same runs the device/host/disk bytes equal `offload.offload_state_bytes`
-and the bytes moved per step equal `offload.offload_traffic`. Then: checkpoints with offloaded
+fp32 and in bf16. In the same runs the device/host/disk bytes equal `offload_bytes.offload_state_bytes`
+and the bytes moved per step equal `offload_bytes.offload_traffic`. Then: checkpoints with offloaded
 state, the chunked step's bounded reads, and every way a disk can fail.
 """
 
@@ -17,12 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 
-import minipar.disk as disk_module
-import minipar.offload as offload_module
+import minipar.data_parallel.disk as disk_module
+import minipar.data_parallel.offload as offload_module
 from minipar import Mesh, MixedPrecision, Offload, OffloadError, ShardedModule, checkpoint
-from minipar import formulas as F
+from minipar.plan import formulas as F
 from minipar.models import GPT, GPTConfig, gpt_loss
-from minipar.offload import check_path, offload_state_bytes, offload_traffic
+from minipar.data_parallel.offload import check_path
+from minipar.plan.offload_bytes import offload_state_bytes, offload_traffic
 
 from helpers import EPS, LR, WD, batches
 
@@ -108,7 +109,7 @@ def test_offload_changes_nothing_but_where_state_lives(pools, tmp_path, world, s
         for k in base["params"]:
             assert torch.equal(out["params"][k], base["params"][k]), k
         ps = _paramset(out)
-        dp = F.DataParallel(strategy, world, param=pb, bucket_cap_mb=2e-3, rank=out["dp_rank"])
+        dp = F.DataParallelShape(strategy, world, param=pb, bucket_cap_mb=2e-3, rank=out["dp_rank"])
         assert out["memory"] == offload_state_bytes(ps, dp, opt_where, params_where), out["memory"]
         assert out["memory"]["optimizer"] == 0 and out["memory"]["host"] > 0
         assert out["memory"]["params"] == (0 if params_where else base["memory"]["params"])
@@ -126,7 +127,7 @@ def test_offload_changes_nothing_but_where_state_lives(pools, tmp_path, world, s
 def test_offload_formulas_at_scale():
     """The closed form: a 7B model's AdamW state over 64 ranks, ZeRO-3, bf16 compute."""
     ps = F.ParamSet.of_sizes([[(7_000_000_000 // 32, False)]] * 32, [])
-    dp = F.DataParallel("zero3", 64, param=2)
+    dp = F.DataParallelShape("zero3", 64, param=2)
     none = F.state_bytes(ps, dp)
     full = offload_state_bytes(ps, dp, "nvme", "nvme")
     assert full["params"] == 0 and full["optimizer"] == 0 and full["grads"] == none["grads"]
@@ -412,7 +413,7 @@ def _train_layout(ctx, sizes, strategy, opt_where, params_where, root, options):
         after = model.strategy.offload_traffic()
         moved.append({k: after[k] - before[k] for k in after})
     ps = F.ParamSet.of(model.module)
-    dp = F.DataParallel(strategy, mesh.dp, param=4, rank=mesh.dp_rank, reshard_after_forward=mesh.pp == 1)
+    dp = F.DataParallelShape(strategy, mesh.dp, param=4, rank=mesh.dp_rank, reshard_after_forward=mesh.pp == 1)
     expected = [offload_traffic(ps, dp, opt_where, params_where, pipeline=mesh.pp > 1, first_step=s == 0)
                 for s in range(3)] if opt_where else None
     out = dict(params={k: v.clone() for k, v in model.full_state_dict().items()}, moved=moved, expected=expected)

@@ -1,4 +1,4 @@
-"""1-bit Adam (`minipar.onebit`): each test states what it compares.
+"""1-bit Adam (`minipar.data_parallel.onebit`): each test states what it compares.
 
 * the sign packing equals numpy's ``packbits`` (little bit order);
 * the compressed all-reduce, run on n ranks, equals bitwise a single-process simulation of the
@@ -23,10 +23,10 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-import minipar.onebit
+import minipar.data_parallel.onebit
 from minipar import Mesh, ShardedModule
 from minipar.models import GPT, GPTConfig, gpt_loss
-from minipar.onebit import OneBitAdam, chunk_size, compressed_allreduce, pack_signs, unpack_signs
+from minipar.data_parallel.onebit import OneBitAdam, chunk_size, compressed_allreduce, pack_signs, unpack_signs
 
 from helpers import EPS, LR, WD, batches
 
@@ -55,7 +55,7 @@ def _inputs(seed: int, steps: int, world: int, numel: int) -> torch.Tensor:
 
 def _simulate(inputs: torch.Tensor, block: int) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
     """The same arithmetic in one process, chunk by chunk: (results per call, final worker errors per
-    rank, final server errors per rank). Signs via numpy, no helper of minipar.onebit but chunk_size."""
+    rank, final server errors per rank). Signs via numpy, no helper of minipar.data_parallel.onebit but chunk_size."""
     steps, n, numel = inputs.shape
     c = chunk_size(numel, n, block)
     real = [max(0, min(c, numel - j * c)) for j in range(n)]
@@ -230,7 +230,7 @@ def _onebit_with_exact_mean(ctx, data: torch.Tensor, local_bs: int, freeze_step:
     """OneBitAdam under DDP with the exchange made exact: parameters after each step, and after each
     backward past the warm-up whether every .grad is its DDP bucket view (no second gradient copy)."""
     with pytest.MonkeyPatch.context() as patch:  # the pool's process outlives the test: undo it
-        patch.setattr(minipar.onebit, "compressed_allreduce", _exact_mean)
+        patch.setattr(minipar.data_parallel.onebit, "compressed_allreduce", _exact_mean)
         model = ShardedModule(GPT(GPTConfig(**CFG, seed=3)), mesh=Mesh(), strategy="ddp", bucket_cap_mb=0.01)
         opt = model.build_optimizer(OneBitAdam, lr=LR, weight_decay=WD, eps=EPS, freeze_step=freeze_step)
         snapshots, grads_in_buckets = [], []
@@ -379,7 +379,7 @@ def test_bad_construction_is_refused():
     with pytest.raises(ValueError, match="build_optimizer"):
         OneBitAdam(params, lr=1e-3, freeze_step=2)
 
-    class LooksLikeDDP:  # not a minipar.ddp.DataParallel: refused whatever attributes it has
+    class LooksLikeDDP:  # not a minipar.data_parallel.ddp.DDP: refused whatever attributes it has
         grad_sync_off = False
     with pytest.raises(ValueError, match="build_optimizer"):
         OneBitAdam(params, lr=1e-3, freeze_step=2, strategy=LooksLikeDDP())

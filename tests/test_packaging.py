@@ -70,13 +70,59 @@ def test_import_and_a_cpu_training_step_leave_triton_unimported():
 
 def test_each_mechanism_lives_in_one_place():
     """The end-of-backward callback and the per-parameter gradient hooks of the bucketed strategies
-    are written once (minipar/grad_buckets.py; ZeRO-3's per-unit hooks in fsdp.py), as is the
-    gradient norm (minipar/grad_norm.py): a second copy would be a second place to get them wrong."""
+    are written once (minipar/data_parallel/buckets.py; ZeRO-3's per-unit hooks in zero3.py), as is the
+    gradient norm (minipar/core/grad_norm.py): a second copy would be a second place to get them wrong."""
     sources = {f.relative_to(ROOT).as_posix(): f.read_text() for d in ("minipar", "kernels", "models")
                for f in (ROOT / d).glob("**/*.py")}
     where = lambda text: sorted(n for n, s in sources.items() if text in s)  # noqa: E731
-    assert where("queue_callback(") == ["minipar/grad_buckets.py"]
-    assert where("register_post_accumulate_grad_hook(") == ["minipar/fsdp.py", "minipar/grad_buckets.py"]
-    assert where("_foreach_norm(") == ["minipar/grad_norm.py"]
+    assert where("queue_callback(") == ["minipar/data_parallel/buckets.py"]
+    assert where("register_post_accumulate_grad_hook(") == sorted(["minipar/data_parallel/zero3.py",
+                                                                    "minipar/data_parallel/buckets.py"])
+    assert where("_foreach_norm(") == ["minipar/core/grad_norm.py"]
     too_long = {n: s.count("\n") for n, s in sources.items() if s.count("\n") > 400}
     assert not too_long, f"modules over 400 lines (split them by concern): {too_long}"
+
+
+def _module_imports() -> dict[str, set[str]]:
+    """minipar's modules (kernels and models under their installed names) -> the minipar modules each
+    imports, at the top or inside a function alike (a lazy import that closes a loop still ties the
+    two modules together: one cannot be read, moved or tested without the other)."""
+    import ast
+    roots = {"minipar": ROOT / "minipar", "minipar.kernels": ROOT / "kernels", "minipar.models": ROOT / "models"}
+    files = {}
+    for package, folder in roots.items():
+        for f in folder.glob("**/*.py"):
+            parts = [package, *f.relative_to(folder).with_suffix("").parts]
+            files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
+    graph = {}
+    for name, f in files.items():
+        here = name.split(".") if f.name == "__init__.py" else name.split(".")[:-1]
+        targets = set()
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = ".".join(here[:len(here) - node.level + 1] + ([node.module] if node.module else [])) \
+                    if node.level else (node.module or "")
+                targets |= {f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names}
+            elif isinstance(node, ast.Import):
+                targets |= {a.name for a in node.names}
+        graph[name] = {t for t in targets if t in files and t != name}
+    return graph
+
+
+def test_no_import_cycles():
+    """No module of minipar imports, directly or through others, a module that imports it back: lazy
+    imports inside functions count (they were how cycles hid), and so does a package's __init__."""
+    graph, state, cycles = _module_imports(), {}, []
+
+    def visit(u, path):
+        state[u] = "open"
+        for v in sorted(graph[u]):
+            if state.get(v) == "open":
+                cycles.append(path[path.index(v):] + [v])
+            elif v not in state:
+                visit(v, path + [v])
+        state[u] = "done"
+    for u in sorted(graph):
+        if u not in state:
+            visit(u, [u])
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)

@@ -17,7 +17,7 @@ from hypothesis import given, strategies as st
 
 from minipar import Mesh
 from minipar.models import GPT, GPTConfig, gpt_loss
-from minipar.parameter_server import ParameterServer, partition_by_size
+from minipar.data_parallel.parameter_server import ParameterServer, partition_by_size
 
 from helpers import EPS, LR, WD
 

@@ -16,7 +16,7 @@ from fractions import Fraction
 import pytest
 from hypothesis import given, strategies as st
 
-from minipar.formulas import bubble_fraction
+from minipar.plan.formulas import bubble_fraction
 from minipar.pipeline import Action, gpipe, one_f_one_b, simulate
 from minipar.pipeline.schedule import SCHEDULES, Schedule, chunks_per_rank, holder, interleaved_1f1b, \
     virtual_stage, zb_h1, zb_v

@@ -1,4 +1,4 @@
-"""The planner's arithmetic (`minipar.formulas`) against what minipar measures, and the planner's CLI.
+"""The planner's arithmetic (`minipar.plan.formulas`) against what minipar measures, and the planner's CLI.
 
 For small layouts on 2- and 4-rank CPU worlds: the per-rank state bytes `memory_stats()` reports
 equal `formulas.state_bytes` exactly, and every collective the layer counts (op, axis, tag, bytes,
@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from minipar import Mesh, MixedPrecision, ShardedModule
-from minipar import formulas as F
+from minipar.plan import formulas as F
 from minipar.models import GPT, GPTConfig, gpt_loss
 from minipar.recompute import ActivationMemory
 
@@ -92,7 +92,7 @@ def test_data_parallel_state_and_traffic_equal_the_formulas(pools, strategy, pre
     pb = 2 if precision == "bf16" else 4
     for out in pools.run(world, _dp_step, strategy, precision, sizes, microbatches, cap):
         ps = _paramset(out)
-        dp = F.DataParallel(strategy, out["dp"], out["shard"], param=pb, bucket_cap_mb=cap, rank=out["shard_rank"])
+        dp = F.DataParallelShape(strategy, out["dp"], out["shard"], param=pb, bucket_cap_mb=cap, rank=out["shard_rank"])
         if strategy != "ddp" and dp.shards > 1:
             assert any(g.layout.padded > g.layout.numel for g in F.flat_groups(ps, dp))  # padding is exercised
         assert sum(out["records"].values()) > 0
@@ -131,7 +131,7 @@ def _blocks(module):
     return [m for n, m in module.named_modules() if type(m).__name__ == "Block"]
 
 
-def _predict(info, ps: F.ParamSet, dp: F.DataParallel, options, batch) -> list:
+def _predict(info, ps: F.ParamSet, dp: F.DataParallelShape, options, batch) -> list:
     """The calls of one step on this rank, from the formulas alone (``ps``, ``dp``: its parameters and
     data-parallel strategy)."""
     c, t, h = TP_CFG["n_embd"], TP_CFG["block_size"], TP_CFG["n_head"]
@@ -171,7 +171,7 @@ def test_tp_pp_cp_layouts_state_and_traffic_equal_the_formulas(pools, world, siz
     batch = 4
     for out in pools.run(world, _layout_step, sizes, strategy, options, batch):
         info, ps = out["info"], _paramset(out)
-        dp = F.DataParallel(strategy, info["dp"] * info["cp"], bucket_cap_mb=options.get("bucket_cap_mb", 25.0),
+        dp = F.DataParallelShape(strategy, info["dp"] * info["cp"], bucket_cap_mb=options.get("bucket_cap_mb", 25.0),
                             rank=info["shard_rank"], cp=info["cp"])
         assert out["memory"] == F.state_bytes(ps, dp)
         axis_tags = {"tp": {"tp"}, "pp": {"pp_act", "pp_grad"}, "cp": {"cp_kv", "cp_ulysses"}}
@@ -214,7 +214,7 @@ def test_expert_parallel_state_and_traffic_equal_the_formulas(pools, world, stra
     for out in outs:
         ps = _paramset(out)
         assert any(ps.expert) and not all(ps.expert)
-        dp = F.DataParallel(strategy, out["dp"], edp=out["edp"], rank=out["rank"], edp_rank=out["edp_rank"])
+        dp = F.DataParallelShape(strategy, out["dp"], edp=out["edp"], rank=out["rank"], edp_rank=out["edp_rank"])
         assert out["memory"] == F.state_bytes(ps, dp), (out["memory"], F.state_bytes(ps, dp))
         assert out["records"] == _expected(F.dp_calls(ps, dp)), out["records"]
 

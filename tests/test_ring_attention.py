@@ -1,4 +1,4 @@
-"""Context parallelism's numerical core (minipar.ring_attention), each piece against a single-process
+"""Context parallelism's numerical core (minipar.context_parallel.ring_attention), each piece against a single-process
 reference: block attention against a masked softmax; ring attention (zig-zag split) and Ulysses
 attention (contiguous split) at cp in {2, 4} against causal SDPA on the whole sequence, forward and
 the gradients of q, k, v; the bytes each one sends, counted by the collective layer; the work each
@@ -22,11 +22,11 @@ import torch.nn.functional as F
 from hypothesis import example, given, settings, strategies as st
 from torch.testing import assert_close
 
-import minipar.ring_attention as ra
-from minipar.comm import AxisGroup, Comm
-from minipar.formulas import ring_bytes
-from minipar.mesh import Mesh
-from minipar.ring_attention import (block_attention, contiguous_positions, ring_attention, score_elements,
+import minipar.context_parallel.ring_attention as ra
+from minipar.core.comm import AxisGroup, Comm
+from minipar.plan.formulas import ring_bytes
+from minipar.core.mesh import Mesh
+from minipar.context_parallel.ring_attention import (block_attention, contiguous_positions, ring_attention, score_elements,
                                     ulysses_attention, zigzag_positions)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

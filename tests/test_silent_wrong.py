@@ -401,6 +401,7 @@ def test_the_stage_check_passes_every_built_in_model_and_costs_little():
     transformers = pytest.importorskip("transformers")
     from minipar.models import MoEGPT, MoEGPTConfig
     from minipar.pipeline import spec_for
+    from minipar.pipeline.cut_check import check_spec
 
     small = dict(vocab_size=16, block_size=8, n_layer=2, n_head=2, n_embd=8)
     models = [GPT(GPTConfig(**small, **kw)) for kw in (dict(), dict(tie_weights=False), dict(fused_qkv=True),
@@ -421,7 +422,7 @@ def test_the_stage_check_passes_every_built_in_model_and_costs_little():
         model.train()
         rng = torch.random.get_rng_state()
         start = time.perf_counter()
-        spec_for(model).check(model)
+        check_spec(model, spec_for(model))
         assert time.perf_counter() - start < 5.0, type(model).__name__  # generous: a loaded CI machine
         assert all(m.training for m in model.modules()), "the check left the model in eval mode"
         assert torch.equal(torch.random.get_rng_state(), rng), "the check drew from the global generator"
@@ -435,7 +436,7 @@ def _onebit_copies(ctx, layout: dict, cfg: dict, steps: int):
     """Train ``steps`` 1-bit Adam steps (warm-up 1, so the rest are compressed); return this rank's
     mesh coordinates, its parameters and its losses."""
     from minipar import OneBitAdam
-    from minipar.placement import placement_of
+    from minipar.core.placement import placement_of
 
     mesh = Mesh(**layout)
     options = dict(microbatches=2) if mesh.pp > 1 else {}
@@ -526,7 +527,7 @@ def _gpt_with_idle_parameters(cfg: dict) -> nn.Module:
 
 def _ps_idle(ctx, cfg: dict, data: torch.Tensor):
     from minipar.models import gpt_loss
-    from minipar.parameter_server import ParameterServer
+    from minipar.data_parallel.parameter_server import ParameterServer
 
     model = _gpt_with_idle_parameters(cfg)
     ps = ParameterServer(model, Mesh(), torch.optim.AdamW, servers=1, mode="sync", lr=LR, weight_decay=WD, eps=EPS)

@@ -1,4 +1,4 @@
-"""Host syncs (`minipar.syncs`): the counter sees every kind of call that would make the host wait for a
+"""Host syncs (`minipar.core.syncs`): the counter sees every kind of call that would make the host wait for a
 GPU, and a training step on one device makes none.
 
 The step runs under Triton's interpreter (this module's TRITON_INTERPRET=1 child pytest), so every
@@ -13,7 +13,7 @@ import torch
 import minipar
 from minipar import MixedPrecision, ShardedModule
 from minipar.models import GPT, GPTConfig, gpt_loss
-from minipar.syncs import by_span, count_host_syncs, read_on_host, to_device
+from minipar.core.syncs import by_span, count_host_syncs, read_on_host, to_device
 
 from kernel_testing import interpreted, run_interpreted
 

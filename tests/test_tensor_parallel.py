@@ -18,9 +18,10 @@ import torch.distributed as dist
 import torch.nn as nn
 from hypothesis import example, given, strategies as st
 
-from minipar import Mesh, ShardedModule, formulas
+from minipar import Mesh, ShardedModule
+from minipar.plan import formulas
 from minipar.models import GPT, GPTConfig, gpt_loss
-from minipar.placement import placement_of
+from minipar.core.placement import placement_of
 from minipar.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, clip_grad_norm_,
                                      parallelize, vocab_parallel_cross_entropy)
 

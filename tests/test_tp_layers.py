@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from hypothesis import example, given, strategies as st
 from torch.testing import assert_close
 
-from minipar.mesh import Mesh
-from minipar.placement import placement_of
+from minipar.core.mesh import Mesh
+from minipar.core.placement import placement_of
 from minipar.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, SequenceShard,
                                      VocabParallelEmbedding, parallelize, vocab_parallel_cross_entropy)
 

@@ -27,7 +27,7 @@ import torch.nn as nn
 from hypothesis import example, given, strategies as st
 
 from minipar import Mesh, MixedPrecision, ShardedModule
-from minipar import formulas
+from minipar.plan import formulas
 from minipar.models import GPT, Block, GPTConfig, gpt_loss
 
 from conftest import ci_examples
@@ -342,7 +342,7 @@ FORMULAS = sorted([("ddp", "fp32"),  # minipar's DDP computes in the parameters'
 @pytest.mark.parametrize("strategy, precision", FORMULAS)
 def test_memory_stats_match_the_formulas(pools, world, strategy, precision):
     """Per rank, params/grads/optimizer bytes are within 5% of the ZeRO paper's formulas
-    (`minipar.formulas.shard_formula`: bf16 2 + 2 + 12 bytes per parameter, fp32 Adam 4 + 4 + 8 with
+    (`minipar.plan.formulas.shard_formula`: bf16 2 + 2 + 12 bytes per parameter, fp32 Adam 4 + 4 + 8 with
     the master being the parameter; DDP holds all of it on every rank, the optimizer state of the
     optimizer build_optimizer made). tests/test_plan.py proves the exact figures, padding included."""
     param = 2 if precision == "bf16" else 4

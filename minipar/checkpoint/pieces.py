@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from ..full_state import global_names, local_cut
-from ..placement import placement_of
+from ..core.placement import placement_of
 from .files import CheckpointError
 
 @dataclass

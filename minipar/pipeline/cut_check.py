@@ -1,4 +1,4 @@
-"""What is checked when a model is cut into pipeline stages (`StageSpec.check`), in one process,
+"""What is checked when a model is cut into pipeline stages (`check_spec`), in one process,
 before any collective: that the stages, run one after another, are the model (`check_cut`), and
 that no Parameter would have copies on several stages that nothing keeps equal (`check_shared`).
 """
@@ -11,9 +11,22 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..context_parallel import left_as_it_was
+from ..context_parallel.context import left_as_it_was
 from .spec import StageSpec, find, hidden_of
 from .stage import Stage
+
+
+def check_spec(model: nn.Module, spec: StageSpec) -> None:
+    """ValueError unless the stages cut by ``spec``, run one after another, are ``model``: every path names
+    a module and the blocks are an nn.ModuleList (`StageSpec.check_paths`); in one process on a tiny input,
+    the stages compute the model's own forward on ``spec.example`` with hidden states of ``hidden_size``
+    between every two blocks, and run every module the model's forward runs (`check_cut`); and no
+    Parameter is held by two parts that may land on different stages, but the declared tie
+    (`check_shared`). `ShardedModule` calls it before any collective; a `Stage` built by hand checks the
+    paths only. Costs two forwards of two tokens; touches nothing of ``model``."""
+    spec.check_paths(model)
+    check_cut(model, spec)  # first: a module left out is named as such, not as a stray parameter
+    check_shared(model, spec)
 
 
 def check_shared(model: nn.Module, spec: StageSpec) -> None:

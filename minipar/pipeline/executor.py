@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from ..mesh import AxisGroup, Mesh
+from ..core.mesh import AxisGroup, Mesh
 from .schedule import Action, Schedule, holder, virtual_stage
 from .split_backward import WeightGrad, backward_input
 

@@ -17,7 +17,7 @@ part lives (dotted module paths) and how to call it:
     hidden_size   the width of what travels between stages
     tied          (embedding weight, head weight) paths, when the model shares one Parameter
     example       a tiny input of the model (batch, seq, ...) for the check when it is wrapped
-                  (`StageSpec.check`); default: token ids (1, 2), or (1, 2, in_features) floats when
+                  (`cut_check.check_spec`); default: token ids (1, 2), or (1, 2, in_features) floats when
                   the first stage's first layer is a Linear
 
 `spec_for(model)` recognises minipar's GPT (and MoE GPT), Hugging Face GPT-2 (``transformer.wte /
@@ -58,22 +58,6 @@ class StageSpec:
     block_kwargs: Callable[[Any, torch.Tensor], dict] | None = None
     tied: tuple[str, str] | None = None
     example: torch.Tensor | None = None
-
-    def check(self, model: nn.Module) -> None:
-        """ValueError unless the stages cut by this spec, run one after another, are ``model``: every
-        path names a module and the blocks are an nn.ModuleList (`check_paths`); no Parameter is
-        held by two parts that may land on different stages, but the declared tie
-        (`minipar.pipeline.cut_check.check_shared`); and, in one process on a tiny input, the stages
-        compute the model's own forward on ``example`` with hidden states of ``hidden_size`` between
-        every two blocks, and run every module the model's forward runs
-        (`minipar.pipeline.cut_check.check_cut`).
-        `ShardedModule` calls it before any collective; a `Stage` built by hand checks the paths only.
-        Costs two forwards of two tokens; touches nothing of ``model``."""
-        from .cut_check import check_cut, check_shared  # (they build stages, which build on this module)
-
-        self.check_paths(model)
-        check_cut(model, self)  # first: a module left out is named as such, not as a stray parameter
-        check_shared(model, self)
 
     def check_paths(self, model: nn.Module) -> None:
         """ValueError unless every path names a module of ``model``, the blocks are an nn.ModuleList, the

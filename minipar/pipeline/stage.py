@@ -44,7 +44,7 @@ from typing import Sequence
 import torch
 import torch.nn as nn
 
-from ..mesh import Mesh
+from ..core.mesh import Mesh
 from .schedule import holder, virtual_stage
 from .spec import StageSpec, find, gpt_spec, hidden_of, spec_for
 
@@ -193,7 +193,7 @@ class Stage(nn.Module):
                  copy_tied: bool = True) -> None:
         super().__init__()
         spec = spec or spec_for(model)
-        spec.check_paths(model)  # (the whole check, `StageSpec.check`, runs once when a model is wrapped)
+        spec.check_paths(model)  # (the whole check, `cut_check.check_spec`, runs once when a model is wrapped)
         blocks = find(model, spec.blocks)
         pieces = stages * chunks  # the virtual stages: the model is cut into this many pieces
         bounds = default_boundaries(model, pieces, spec) if boundaries is None else \

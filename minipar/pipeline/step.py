@@ -15,7 +15,7 @@ computes it on the whole batch: each micro-batch's loss (a mean over its own cou
 weighted by its share of them times m (`token_weighted`), not simply averaged over the m micro-batches,
 which would weigh a micro-batch with few counted targets as much as a full one. With no ignored
 target the weight is exactly 1. A micro-batch none of whose targets counts gets weight 0 and a finite
-loss (`minipar.context_parallel.finite_if_empty`), where its mean over no token would be NaN.
+loss (`minipar.context_parallel.context.finite_if_empty`), where its mean over no token would be NaN.
 
 The cost of (1)-(3) against overlapping the reduction with the last
 micro-batch's backward: the last backward's share of the step (1/m of the
@@ -30,10 +30,10 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn as nn
 
-from ..context_parallel import counted, finite_if_empty
-from ..mesh import Mesh
-from ..moe import moe_layers
-from ..strategy import Strategy
+from ..context_parallel.context import counted, finite_if_empty
+from ..core.mesh import Mesh
+from ..moe.layer import moe_layers
+from ..data_parallel.strategy import Strategy
 from .executor import run_schedule
 from .schedule import SCHEDULES, Schedule, chunks_per_rank
 from .spec import StageSpec

@@ -2,7 +2,7 @@
 
 ``plan(model, cluster, global_batch)`` enumerates layouts (tp up to a node, pp, cp, ep, a data-parallel
 strategy, micro-batch size, recomputation), predicts each one's per-rank memory and per-step
-communication with `minipar.formulas` (the arithmetic tests/test_plan.py proves equal to what minipar
+communication with `minipar.plan.formulas` (the arithmetic tests/test_plan.py proves equal to what minipar
 measures), drops those that do not fit, and ranks the rest by a roofline step time:
 
     compute   = training FLOPs / (GPUs · peak · efficiency)        (6N per token, 8N with recomputation,
@@ -22,8 +22,8 @@ import math
 from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 
-from minipar import formulas as F
-from minipar.comm import wire_bytes
+from minipar.plan import formulas as F
+from minipar.core.comm import wire_bytes
 
 from .presets import H100, MODELS, Cluster, ModelShape
 
@@ -120,7 +120,7 @@ def _positive_int(what: str, value) -> None:
         raise ValueError(f"{what}={value!r} must be a positive integer")
 
 
-def _dp(model: ModelShape, cluster: Cluster, lay: Layout) -> F.DataParallel:
+def _dp(model: ModelShape, cluster: Cluster, lay: Layout) -> F.DataParallelShape:
     """The data-parallel strategy of ``lay``: ddp in fp32 (minipar's DDP has no mixed precision), the
     ZeRO stages in bf16 with fp32 masters; hsdp is zero3 sharded within a node, replicated across."""
     strategy = "zero3" if lay.strategy == "hsdp" else lay.strategy
@@ -130,12 +130,12 @@ def _dp(model: ModelShape, cluster: Cluster, lay: Layout) -> F.DataParallel:
         per_node = max(1, cluster.gpus_per_node // (lay.tp * lay.cp))
         shard = math.gcd(lay.dp, per_node) * lay.cp
     edp = lay.dp // lay.ep * lay.cp
-    return F.DataParallel(strategy, grad_ranks, shard, edp=edp, param=4 if strategy == "ddp" else 2,
+    return F.DataParallelShape(strategy, grad_ranks, shard, edp=edp, param=4 if strategy == "ddp" else 2,
                           bucket_cap_mb=25.0, reshard_after_forward=lay.pp == 1, cp=lay.cp)
 
 
 @lru_cache(maxsize=4096)
-def _stage_state(model: ModelShape, lay: Layout, dp: F.DataParallel, stage: int, m: int):
+def _stage_state(model: ModelShape, lay: Layout, dp: F.DataParallelShape, stage: int, m: int):
     """(state bytes, dp calls summary, largest unit numel) of one stage's rank, for m micro-batches per
     step: independent of recomputation, so cached across it (and across micro-batch sizes giving the
     same m: the caller passes ``lay`` with micro_batch=1, recompute=False)."""

@@ -142,7 +142,7 @@ def explain(model: ModelShape, cluster, global_batch: int, lay: Layout) -> str:
     dp = r["dp"] * r["cp"]
     lines = [f"{lay.name} for {model.name} ({model.params() / 1e9:.1f}B parameters, "
              f"{model.params(True) / 1e9:.1f}B active) on {cluster.gpus} GPUs; worst stage {r['worst_stage']}",
-             "memory per rank (minipar.formulas.state_bytes over this stage's tp/ep shard, padding exact):",
+             "memory per rank (minipar.plan.formulas.state_bytes over this stage's tp/ep shard, padding exact):",
              f"  params {gib(mem['params'])}, grads {gib(mem['grads'])}, optimizer {gib(mem['optimizer'])}"
              f"   [{lay.strategy}: bf16 params/grads, fp32 master + 2 moments, sharded over {dp} dp x cp ranks]"
              if lay.strategy != "ddp" else

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from minipar.formulas import ParamSet
+from minipar.plan.formulas import ParamSet
 
 
 @dataclass(frozen=True)

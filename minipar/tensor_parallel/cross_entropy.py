@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from ..comm import AxisGroup, Comm
+from ..core.comm import AxisGroup, Comm
 from ..kernels.cross_entropy import row_stats, token_losses, xent_grad
 
 

@@ -4,7 +4,7 @@ Two kinds of parameters live in a tensor-parallel model: *shards* (placed
 ``tp_dim``: each tp rank holds a different slice) and *replicated* parameters
 (norms, the row-parallel bias, position embeddings). For the norm of the
 whole gradient each shard's contribution is summed over tp, each replicated
-one counted once: `minipar.grad_norm` does that for every layout. (Replicated
+one counted once: `minipar.core.grad_norm` does that for every layout. (Replicated
 parameters that see only a sequence slice get their gradients summed over tp
 by a hook: see ``layers.mark_sequence_parallel``.)
 """
@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..grad_norm import GradPiece, clip_, global_grad_norm
-from ..mesh import Mesh
+from ..core.grad_norm import GradPiece, clip_, global_grad_norm
+from ..core.mesh import Mesh
 
 
 def _pieces(module: nn.Module) -> list[GradPiece]:

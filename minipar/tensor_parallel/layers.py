@@ -29,10 +29,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..comm import AxisGroup
-from ..mesh import Mesh
-from ..placement import place, placement_of
-from ..regions import copy_to_region, gather_from_region, gather_sequence, reduce_from_region, \
+from ..core.comm import AxisGroup
+from ..core.mesh import Mesh
+from ..core.placement import place, placement_of
+from ..core.regions import copy_to_region, gather_from_region, gather_sequence, reduce_from_region, \
     reduce_scatter_sequence, scatter_to_region
 
 SEQ_DIM = 1  # activations are (batch, seq, features)

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from ..mesh import Mesh
-from ..regions import scatter_to_region
+from ..core.mesh import Mesh
+from ..core.regions import scatter_to_region
 from .rng import TPRandom
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, enter_region, \
     mark_sequence_parallel

@@ -24,7 +24,7 @@ from typing import Iterator
 
 import torch
 
-from ..mesh import Mesh
+from ..core.mesh import Mesh
 
 
 def _get_state(device: torch.device) -> torch.Tensor:

@@ -14,8 +14,8 @@ things, here:
    `Rotary` of a ``pos="rope"`` model) maps them to the tokens' true positions.
 3. **Attention.** Each attention module's ``context_attention`` becomes ring attention (K/V blocks
    passed around the cp ring, partial outputs merged by their log-sum-exp,
-   `minipar.ring_attention.ring_attention`) or Ulysses (all-to-all to all tokens of H/C heads,
-   local attention, all-to-all back, `minipar.ring_attention.ulysses_attention`).
+   `minipar.context_parallel.ring_attention.ring_attention`) or Ulysses (all-to-all to all tokens of H/C heads,
+   local attention, all-to-all back, `minipar.context_parallel.ring_attention.ulysses_attention`).
 4. **Loss.** A rank's loss is the mean over its own non-ignored targets (-100 ignored). Weighted
    by n_local * C / n_sequence (n counts non-ignored targets), the mean over the cp ranks is the
    mean over all tokens of their sequences; gradients are then averaged over dp x cp
@@ -51,7 +51,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .mesh import Mesh
+from ..core.mesh import Mesh
 from .ring_attention import contiguous_positions, ring_attention, ulysses_attention, zigzag_positions
 
 FORMS = ("ring", "ulysses")

@@ -14,7 +14,7 @@ holding ``E / P`` experts each (expert ``e`` lives on ep rank ``e // (E / P)``):
     combine    the inverse all-to-all; out[t] = sum over t's kept choices of weight * y
 
 Backward runs the same exchanges in reverse (the all-to-all's adjoint is the
-all-to-all with the splits swapped, `minipar.regions.all_to_all`).
+all-to-all with the splits swapped, `minipar.core.regions.all_to_all`).
 
 Drop policy (documented, and the single-process reference makes the same
 decisions): an expert's C slots go first to first choices, then to second
@@ -56,7 +56,7 @@ stage included) without threading a second loss through the model.
 micro-batches sets it to ``1/m``. The last values are in ``layer.last_aux``
 and ``layer.last_z`` for logging.
 
-Expert parameters are placed ``expert=True`` (`minipar.placement`): the data-parallel
+Expert parameters are placed ``expert=True`` (`minipar.core.placement`): the data-parallel
 strategy averages their gradients over the replicas of the same experts (the
 ``edp`` group) but divides by the whole data-parallel size, because each
 expert's gradient already sums the contributions of every rank of its
@@ -72,9 +72,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
-from . import regions
-from .placement import place
-from .kernels import gelu, permute, unpermute
+from ..core import regions
+from ..core.placement import place
+from ..kernels import gelu, permute, unpermute
 
 
 def check_moe_config(n_experts: int, k: int, capacity_factor: float, ep: int = 1) -> None:

@@ -17,7 +17,7 @@ it. Two byte figures are kept per call:
   2 all-gathers + 1 reduce-scatter = 3(n-1)/n·Φ against 2(n-1)/n·Φ.
 
 A group of size 1 issues nothing (and records nothing): the result is already
-in place. Every method takes an `AxisGroup` (see `minipar.mesh`), never a raw
+in place. Every method takes an `AxisGroup` (see `minipar.core.mesh`), never a raw
 process group, so each record says which mesh axis it travelled on.
 """
 
@@ -147,7 +147,7 @@ def _through_host(tensor: torch.Tensor, group: AxisGroup) -> bool:
 # What one call puts on the wire from this rank under the ring algorithms, as a share of its
 # payload. The collective layer records every call with it (an all-to-all with its actual splits:
 # what it keeps at home is known; the table's entry is the even-split model the planner uses), and
-# the formulas read the same table (`minipar.formulas.wire_bytes`): one copy of this arithmetic.
+# the formulas read the same table (`minipar.plan.formulas.wire_bytes`): one copy of this arithmetic.
 WIRE_SHARE = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
               "all_gather": lambda n: (n - 1) / n, "broadcast": lambda n: 1, "send": lambda n: 1,
               "recv": lambda n: 0, "all_to_all": lambda n: (n - 1) / n}

@@ -39,7 +39,7 @@ Like ZeRO-1/2, a parameter without a gradient gets a zero gradient.
 Units that only some ranks run (a branch on the data, a head only some ranks'
 losses use). Gathers and reduce-scatters go to twin groups of the shard axes,
 and before each one the ranks exchange what they are about to do; when they
-differ they take turns (`minipar.unit_turns`): a rank may gather a unit it
+differ they take turns (`minipar.data_parallel.unit_turns`): a rank may gather a unit it
 never runs, but each gather happens once, as when every rank runs every unit,
 and such a backward's reduce-scatters wait for its end, where every rank sends
 them in the fixed order, zeros for the units it did not run: the same bytes, no
@@ -63,13 +63,13 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
 from .flat import FlatLayout, ShardGroup
-from .grad_buckets import EndOfBackward, GradStaging, LaunchOrder, adopt, owner
-from .mesh import Mesh
+from .buckets import EndOfBackward, GradStaging, LaunchOrder, adopt, owner
+from ..core.mesh import Mesh
 from .precision import MixedPrecision
 from .offload import Offload
-from .sharded_optim import GradState, ShardedState, make_master
+from .sharded_state import GradState, ShardedState, make_master
 from .unit_turns import UnitTurns
-from .units import assign_params, select_units
+from ..core.units import assign_params, select_units
 
 class UnitState(Enum):
     SHARDED = "sharded"
@@ -296,7 +296,7 @@ class Zero3(ShardedState):
     def _grad_hook(self, k: int, j: int, i: int) -> Callable:
         """Parameter i of part j of unit k: held by index and the strategy weakly, since whatever the
         hook holds lives as long as the parameter (a cycle through a tensor is never collected:
-        `grad_buckets.owner`)."""
+        `buckets.owner`)."""
         strategy = weakref.ref(self)
 
         def hook(p: nn.Parameter) -> None:

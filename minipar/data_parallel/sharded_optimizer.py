@@ -1,5 +1,5 @@
 """`ShardedOptimizer`: what ``build_optimizer`` returns under ZeRO, a torch optimizer over this
-rank's fp32 master shards (`minipar.sharded_optim.ShardedState` holds them), with the step routed
+rank's fp32 master shards (`minipar.data_parallel.sharded_state.ShardedState` holds them), with the step routed
 through the fused kernel, the chunked step over files (offload "nvme"), or the torch optimizer."""
 
 from __future__ import annotations
@@ -11,8 +11,7 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from .offload import agree
-from .sharded_optim import OFFLOAD_OPTIMIZERS, ShardedState
+from .offload import OFFLOAD_OPTIMIZERS, agree
 
 
 class ShardedOptimizer:
@@ -23,7 +22,7 @@ class ShardedOptimizer:
     each element is updated from its own gradient and state alone.
     """
 
-    def __init__(self, state: ShardedState, optimizer_cls: type[torch.optim.Optimizer], **kwargs) -> None:
+    def __init__(self, state: "ShardedState", optimizer_cls: type[torch.optim.Optimizer], **kwargs) -> None:
         if state.offload is not None and not issubclass(optimizer_cls, OFFLOAD_OPTIMIZERS):
             names = ", ".join(f"torch.optim.{c.__name__}" for c in OFFLOAD_OPTIMIZERS)
             raise ValueError(f"optimizer offload (cpu_offload=True or offload=Offload(...)) supports {names}; got "

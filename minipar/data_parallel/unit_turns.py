@@ -32,8 +32,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from .mesh import Mesh
-from .syncs import read_on_host
+from ..core.mesh import Mesh
+from ..core.syncs import read_on_host
 
 
 class UnitTurns:

@@ -7,10 +7,10 @@ prediction for 1,024 GPUs rests on arithmetic checked on 4 CPU processes.
 Parameters are described by `ParamSet`: tensors (real ones, or ``meta`` stand-ins of the right
 size for a model that does not fit anywhere), which are experts', and the ZeRO-3 units. The
 sharded strategies' flat groups are built by the very functions the strategies use
-(`minipar.ddp.bucket_params`, `minipar.flat.FlatLayout`, `minipar.units`), so padding (each group
+(`minipar.data_parallel.buckets.bucket_params`, `minipar.data_parallel.flat.FlatLayout`, `minipar.core.units`), so padding (each group
 rounded up to a multiple of its shard count) comes out exactly.
 
-Byte conventions are the collective layer's (`minipar.comm`): ``bytes`` is the full tensor a call
+Byte conventions are the collective layer's (`minipar.core.comm`): ``bytes`` is the full tensor a call
 is about (all-reduce: the tensor; reduce-scatter: the full input; all-gather: the full output;
 all-to-all and send: what this rank sends), ``wire`` what the ring algorithm puts on the wire:
 all-reduce 2(n-1)/n B, reduce-scatter and all-gather (n-1)/n B, send B, recv 0. A group of one
@@ -37,12 +37,12 @@ from typing import NamedTuple, Sequence
 import torch
 import torch.nn as nn
 
-from .comm import wire_bytes  # the collective layer's own table: one copy of the ring arithmetic
-from .ddp import bucket_params
-from .flat import FlatLayout
-from .placement import placement_of
-from .strategy import DataParallelConfig
-from .units import assign_params, select_units
+from ..core.comm import wire_bytes  # the collective layer's own table: one copy of the ring arithmetic
+from ..data_parallel.buckets import bucket_params
+from ..data_parallel.flat import FlatLayout
+from ..core.placement import placement_of
+from ..data_parallel.strategy import DataParallelConfig
+from ..core.units import assign_params, select_units
 
 ADAMW_STATE = 8   # bytes per element: exp_avg and exp_avg_sq in fp32
 STEP_BYTES = 4    # torch's AdamW keeps a 0-dim fp32 "step" tensor per parameter tensor it steps
@@ -58,7 +58,7 @@ def dtype_bytes(dtype: torch.dtype | int | str) -> int:
 
 
 def _canonical(strategy: str) -> str:
-    """``strategy`` with "fsdp" read as "zero3" (`minipar.strategy` defines the alias, and rejects unknown names)."""
+    """``strategy`` with "fsdp" read as "zero3" (`minipar.data_parallel.strategy` defines the alias, and rejects unknown names)."""
     return "zero3" if DataParallelConfig(strategy).zero3 else strategy
 
 
@@ -82,7 +82,7 @@ class ParamSet:
     @classmethod
     def of(cls, module: nn.Module, wrap_policy=None) -> "ParamSet":
         """The parameters of ``module`` (after tensor/expert parallelism cut them), units as ZeRO-3 cuts
-        them under ``wrap_policy`` (`minipar.units.select_units`; None: each nn.ModuleList entry)."""
+        them under ``wrap_policy`` (`minipar.core.units.select_units`; None: each nn.ModuleList entry)."""
         params = [p for _, p in module.named_parameters() if p.requires_grad]
         index = {id(p): i for i, p in enumerate(params)}
         units = [[index[id(p)] for p in ps] for ps in assign_params(module, select_units(module, wrap_policy))]
@@ -108,7 +108,7 @@ class ParamSet:
 
 
 @dataclass(frozen=True)
-class DataParallel:
+class DataParallelShape:
     """A data-parallel strategy over its axes, as the planner and the tests describe it.
 
     dp: the ranks gradients are averaged over (dp x cp: cp names the axis "dp_cp" when > 1); shard:
@@ -160,7 +160,7 @@ class Group(NamedTuple):
     axis: str
 
 
-def flat_groups(ps: ParamSet, dp: DataParallel) -> list[Group]:
+def flat_groups(ps: ParamSet, dp: DataParallelShape) -> list[Group]:
     """The strategy's flat groups, built as the strategy builds them: DDP and ZeRO-1/2 bucket the
     parameters in backward order, dense ones first (over dp, or dp_shard), experts after (over edp);
     ZeRO-3 makes one part per unit and axis."""
@@ -185,7 +185,7 @@ def flat_groups(ps: ParamSet, dp: DataParallel) -> list[Group]:
     return out
 
 
-def state_bytes(ps: ParamSet, dp: DataParallel, optimizer: str = "adamw") -> dict[str, int]:
+def state_bytes(ps: ParamSet, dp: DataParallelShape, optimizer: str = "adamw") -> dict[str, int]:
     """{"params", "grads", "optimizer"}: the persistent bytes `memory_stats()` reports on this rank
     (``optimizer``: "adamw", or "sgd" without momentum: no state)."""
     adam = optimizer == "adamw"
@@ -232,7 +232,7 @@ def call(op: str, axis: str, n: int, tag: str, payload: int) -> list[Call]:
     return [] if n == 1 else [Call(op, axis, tag, int(payload), wire_bytes(op, n, payload))]
 
 
-def dp_calls(ps: ParamSet, dp: DataParallel, backwards: int = 1, pipeline: bool = False) -> list[Call]:
+def dp_calls(ps: ParamSet, dp: DataParallelShape, backwards: int = 1, pipeline: bool = False) -> list[Call]:
     """The gradient ("grad") and parameter ("param") traffic of one optimizer step of ``backwards``
     micro-batches (no_sync on all but the last, as `ShardedModule` accumulates).
 
@@ -262,7 +262,7 @@ def dp_calls(ps: ParamSet, dp: DataParallel, backwards: int = 1, pipeline: bool 
     return out
 
 
-def zero3_gathers(ps: ParamSet, dp: DataParallel, backwards: int = 1, pipeline: bool = False) -> list[int]:
+def zero3_gathers(ps: ParamSet, dp: DataParallelShape, backwards: int = 1, pipeline: bool = False) -> list[int]:
     """How many times ZeRO-3 gathers each flat group (`flat_groups` order) in one step: the root
     unit once per forward, every other unit once per forward and again in backward when it
     reshards after forward; under a pipeline (kept gathered), once per step."""

@@ -44,14 +44,13 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .ddp import bucket_params
 from .flat import FlatLayout, ShardGroup
-from .grad_buckets import BucketHooks, GradStaging, ShardBucket, claim, divide_all_into
-from .mesh import Mesh
+from .buckets import BucketHooks, GradStaging, ShardBucket, bucket_params, claim, divide_all_into
+from ..core.mesh import Mesh
 from .offload import Offload
 from .precision import MixedPrecision
-from .comm import AxisGroup, Comm
-from .sharded_optim import GradState, ShardedState, make_master
+from ..core.comm import AxisGroup, Comm
+from .sharded_state import GradState, ShardedState, make_master
 
 
 class _BucketedShards(BucketHooks, ShardedState):

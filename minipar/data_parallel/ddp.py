@@ -23,18 +23,18 @@ How a step goes:
    average, the others contributing zero.
 
 The hooks, the launch order and the end-of-backward callback are shared with
-ZeRO-1/2 (`minipar.grad_buckets`); DDP's own parts are the bucket (a
+ZeRO-1/2 (`minipar.data_parallel.buckets`); DDP's own parts are the bucket (a
 persistent buffer, all-reduced) and the unused-parameter map.
 
 ``no_sync()``: hooks still accumulate into the buckets, nothing is launched;
 the first backward outside the block all-reduces the accumulated sum once.
 
-Expert parameters (placed ``expert``, from `minipar.moe`) live in buckets
+Expert parameters (placed ``expert``, from `minipar.moe.layer`) live in buckets
 of their own, all-reduced over the ``edp`` group (the ranks holding the same
 experts) but divided by the whole dp size: an expert's local gradient already
 sums what every rank of its expert-parallel group sent it.
 
-``grad_sync_off``: an optimizer that communicates itself (`minipar.onebit.OneBitAdam`, which
+``grad_sync_off``: an optimizer that communicates itself (`minipar.data_parallel.onebit.OneBitAdam`, which
 averages the compressed momentum instead of the gradient) sets it to True; from then on backward
 keeps every gradient local (no bucket launched; ``.grad`` is this rank's own, moved into its bucket
 view as under ``no_sync``: the gradients stay in the buffers ``memory_stats`` counts, not in a second
@@ -51,11 +51,11 @@ from typing import Iterator
 import torch
 import torch.nn as nn
 
-from .comm import AxisGroup, Comm
-from .grad_buckets import BucketHooks, claim
-from .grad_norm import GradPiece
-from .mesh import Mesh
-from .placement import placement_of
+from ..core.comm import AxisGroup, Comm
+from .buckets import BucketHooks, bucket_params, claim
+from ..core.grad_norm import GradPiece
+from ..core.mesh import Mesh
+from ..core.placement import placement_of
 from .precision import LossScaler
 from .strategy import Strategy, optimizer_state_tensors, storage_bytes
 
@@ -64,7 +64,7 @@ from .strategy import Strategy, optimizer_state_tensors, storage_bytes
 class Bucket:
     """A flat gradient buffer all-reduced as one; ``views[i]`` is ``params[i].grad``'s home.
 
-    A bucket of `minipar.grad_buckets`: the buffer persists and the gradients stay in it, so
+    A bucket of `minipar.data_parallel.buckets`: the buffer persists and the gradients stay in it, so
     autograd accumulates into the views in place and the all-reduce needs no copy. A gradient that
     arrives in a tensor of its own (the first backward after ``zero_grad`` set ``.grad`` to None)
     waits in ``pending`` and is moved in at launch with the bucket's others, in one multi-tensor copy."""
@@ -127,7 +127,7 @@ def absorb_all(params: list[nn.Parameter], views: list[torch.Tensor]) -> None:
             p.grad = view
 
 
-class DataParallel(BucketHooks, Strategy):
+class DDP(BucketHooks, Strategy):
     """The DDP strategy behind ``ShardedModule(..., strategy="ddp")``."""
 
     local_accumulation = True  # no_sync accumulates in the buckets; sync_grads all-reduces the sum
@@ -238,26 +238,3 @@ class DataParallel(BucketHooks, Strategy):
         return {"params": sum(p.numel() * p.element_size() for p in ps),
                 "grads": sum(b.flat.numel() * b.flat.element_size() for b in self.buckets),
                 "optimizer": storage_bytes(state, set())}
-
-
-def bucket_params(params: list[nn.Parameter], cap_bytes: int) -> list[list[nn.Parameter]]:
-    """Cut ``params`` (in the order given) into buckets, one dtype and device each.
-
-    A bucket takes parameters while it holds fewer than ``cap_bytes``, so it
-    closes with the parameter that reaches the cap (as PyTorch DDP fills its
-    buckets). Closing *before* an overflowing parameter instead would strand
-    each small bias in a bucket of its own, one collective apiece.
-    """
-    groups: list[list[nn.Parameter]] = []
-    open_group: dict[tuple, tuple[int, int]] = {}  # (dtype, device) -> (index in groups, bytes)
-    for p in params:
-        key = (p.dtype, p.device)
-        nbytes = p.numel() * p.element_size()
-        if key in open_group and open_group[key][1] < cap_bytes:
-            gi, used = open_group[key]
-            groups[gi].append(p)
-            open_group[key] = (gi, used + nbytes)
-        else:
-            groups.append([p])
-            open_group[key] = (len(groups) - 1, nbytes)
-    return groups

@@ -59,8 +59,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .grad_norm import scale_by_norm_
-from .mesh import Mesh
+from ..core.grad_norm import scale_by_norm_
+from ..core.mesh import Mesh
 
 MODES = ("sync", "async")
 # The last element of a push: a gradient, "this worker has finished", or "this worker's step failed"

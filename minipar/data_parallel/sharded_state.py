@@ -1,8 +1,8 @@
 """What every ZeRO stage shares: fp32 master shards, the step on them, loss scaling, and its answers
-to the `minipar.strategy.Strategy` protocol (gradient pieces for the one norm, the optimizer, state).
+to the `minipar.data_parallel.strategy.Strategy` protocol (gradient pieces for the one norm, the optimizer, state).
 
-A stage (``minipar.zero`` for 1 and 2, ``minipar.fsdp`` for 3) cuts the parameters into flat
-groups (`minipar.flat.FlatLayout`) and hands this module one `ShardGroup` per group:
+A stage (``minipar.data_parallel.zero12`` for 1 and 2, ``minipar.data_parallel.zero3`` for 3) cuts the parameters into flat
+groups (`minipar.data_parallel.flat.FlatLayout`) and hands this module one `ShardGroup` per group:
 
 * ``shard``: this rank's slice of the parameters in the compute dtype, padded to ``shard_size``
   (a view into the full flat parameters for stages 1 and 2, the only copy for stage 3);
@@ -12,9 +12,9 @@ groups (`minipar.flat.FlatLayout`) and hands this module one `ShardGroup` per gr
 
 A step: make sure the gradients are reduced (stage 1 reduces now, 2 and 3 already did in
 backward), divide out the loss scale, agree on overflow across all ranks, step the masters, copy
-them into the compute shards (wherever offload keeps them: `minipar.offload.ShardHomes`), and let
+them into the compute shards (wherever offload keeps them: `minipar.data_parallel.offload.ShardHomes`), and let
 the stage spread the new parameters (stages 1 and 2 all-gather them). `ShardedOptimizer` is in
-`minipar.sharded_optimizer`.
+`minipar.data_parallel.sharded_optimizer`.
 """
 
 from __future__ import annotations
@@ -26,17 +26,17 @@ from typing import Any, Iterator
 import torch
 import torch.nn as nn
 
-from . import kernels
-from .comm import AxisGroup
+from .. import kernels
+from ..core.comm import AxisGroup
 from .flat import FlatLayout, ShardGroup
-from .grad_norm import GradPiece
-from .mesh import Mesh
+from ..core.grad_norm import GradPiece
+from ..core.mesh import Mesh
 from .offload import DiskFiles, NvmeOptimizer, Offload, OffloadError, ShardHomes, agree
-from .placement import placement_of
+from .sharded_optimizer import ShardedOptimizer
+from ..core.placement import placement_of
 from .precision import LossScaler, MixedPrecision
 from .strategy import Strategy, optimizer_state_tensors, storage_bytes
 
-OFFLOAD_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 
 
 def make_master(shard: torch.Tensor, real_fp32: torch.Tensor, offload: Offload | None) -> nn.Parameter:
@@ -76,7 +76,7 @@ class ShardedState(Strategy):
         self.mesh, self.comm, self.world = mesh, mesh.comm, mesh.world
         self.group = mesh.group(mesh.grad_axis)
         self.policy, self.offload = policy, offload
-        # Where the shards and masters live, and the moves between there and the device (`minipar.offload`).
+        # Where the shards and masters live, and the moves between there and the device (`minipar.data_parallel.offload`).
         self.homes = ShardHomes(offload, mesh.device, policy.param_dtype, mesh.rank)
         self.traffic = self.homes.traffic
         self.files: DiskFiles | None = None
@@ -207,7 +207,7 @@ class ShardedState(Strategy):
 
     @torch.no_grad()
     def nvme_step(self) -> bool:
-        """The step with the optimizer state in files (`minipar.offload.NvmeOptimizer`): chunk by
+        """The step with the optimizer state in files (`minipar.data_parallel.offload.NvmeOptimizer`): chunk by
         chunk, each new chunk written into the compute shards. False: skipped (overflow)."""
         if self.unscale_():
             return False
@@ -235,7 +235,7 @@ class ShardedState(Strategy):
         if not skipped:
             self.spread_params()
 
-    # -- offload (`minipar.offload`) --------------------------------------------------------
+    # -- offload (`minipar.data_parallel.offload`) --------------------------------------------------------
 
     def master_is_shard(self, g: ShardGroup) -> bool:
         """The fp32 master is a view of the compute shard (fp32, nothing offloaded): no copy to make."""
@@ -316,7 +316,6 @@ class ShardedState(Strategy):
         self.grad_state = GradState.EMPTY
 
     def build_optimizer(self, optimizer_cls: type[torch.optim.Optimizer], **kwargs) -> Any:
-        from .sharded_optimizer import ShardedOptimizer  # (it imports this module's names)
         return ShardedOptimizer(self, optimizer_cls, **kwargs)
 
     @torch.no_grad()

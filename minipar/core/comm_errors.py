@@ -1,6 +1,6 @@
 """How the collective layer reports what went wrong: which collective, which ranks, which value.
 
-`minipar.comm.Comm` records each collective it issues as "the call in
+`minipar.core.comm.Comm` records each collective it issues as "the call in
 progress" (op, axis, ranks, tag, shape, dtype). `_named` wraps its methods so
 that a failure -- a peer gone, a wait past the process group's timeout
 (``minipar.init(timeout=...)``) -- is raised as a `CollectiveError` that names

@@ -9,7 +9,7 @@ Two ways to attend when each rank holds only T/C of the tokens (shapes (B, H, T/
   again, each block's dK/dV accumulator travelling with it and finally returning to its owner; a rank
   computes its part of a block's dK/dV while that block's accumulator is still in flight to it.
 * **Ulysses** (`ulysses_attention`). An all-to-all turns "my tokens, all heads" into "all tokens, my
-  H/C heads" (`minipar.regions.seq_to_heads`); each rank runs ordinary causal attention on its heads and
+  H/C heads" (`minipar.core.regions.seq_to_heads`); each rank runs ordinary causal attention on its heads and
   a fourth all-to-all turns the output back. Needs H divisible by C.
 
 Zig-zag balance. Under a causal mask a token at position p attends to p + 1 keys, so with the sequence
@@ -32,7 +32,7 @@ block's P is that block's slice of the full softmax row)::
     dQ = scale · dS K,  dK = scale · dSᵀ Q.
 
 Scores, softmax and accumulators are fp32 whatever the input dtype; K/V and dK/dV travel in the input
-dtype (that is what `minipar.formulas.ring_bytes` counts). Plain PyTorch: matmul, exp, logsumexp.
+dtype (that is what `minipar.plan.formulas.ring_bytes` counts). Plain PyTorch: matmul, exp, logsumexp.
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .comm import AxisGroup, Comm
-from .regions import heads_to_seq, seq_to_heads
+from ..core.comm import AxisGroup, Comm
+from ..core.regions import heads_to_seq, seq_to_heads
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm, group: AxisGroup,

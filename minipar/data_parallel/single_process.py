@@ -1,6 +1,6 @@
 """Single-process data parallelism: one process, one replica of the model per device, one thread each.
 
-The teaching contrast to DDP (`minipar.ddp`). ``DataParallel(module, devices=[...])`` runs every
+The teaching contrast to DDP (`minipar.data_parallel.ddp`). ``DataParallel(module, devices=[...])`` runs every
 forward in four phases, all in the calling process:
 
 1. **replicate** -- every parameter is broadcast from ``devices[0]`` (where the module lives) to

@@ -59,7 +59,7 @@ class Mesh:
         tp: tensor-parallel size.
         pp: pipeline-parallel size.
         ep: expert-parallel size; splits dp, so it must divide dp.
-        cp: context-parallel size: the ranks of a cp group split each sequence (`minipar.context_parallel`).
+        cp: context-parallel size: the ranks of a cp group split each sequence (`minipar.context_parallel.context`).
         dp_shard: HSDP: the sharded strategies shard over groups of this many data-parallel ranks
             and replicate across the dp / dp_shard groups; it must divide dp. Default: dp (no HSDP).
         device: where this rank computes; default: cuda:LOCAL_RANK under nccl, else cpu.
@@ -236,7 +236,7 @@ def init(dp: int | None = None, tp: int = 1, pp: int = 1, ep: int = 1, backend: 
     """Initialise torch.distributed if needed and return the `Mesh`.
 
     ``timeout`` (seconds, or a timedelta): how long a collective may wait for the other ranks before
-    it fails with a `minipar.comm.CollectiveError` naming it (op, axis, ranks, tag, shape) instead of
+    it fails with a `minipar.core.comm.CollectiveError` naming it (op, axis, ranks, tag, shape) instead of
     waiting on. It applies to the world and to every group of the mesh.
 
     Reads the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,

@@ -1,6 +1,6 @@
 """The data-parallel strategy protocol: the questions `ShardedModule` asks, whatever the strategy.
 
-DDP (`minipar.ddp`), ZeRO-1/2 (`minipar.zero`) and ZeRO-3 (`minipar.fsdp`)
+DDP (`minipar.data_parallel.ddp`), ZeRO-1/2 (`minipar.data_parallel.zero12`) and ZeRO-3 (`minipar.data_parallel.zero3`)
 each answer these, and the front door, the pipeline step and checkpoints ask
 nothing else, so tensor, pipeline and expert parallelism compose with any of
 them without knowing which one they hold::
@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from .grad_norm import GradPiece
+from ..core.grad_norm import GradPiece
 from .offload import Offload
 from .precision import LossScaler, MixedPrecision
 
@@ -49,10 +49,10 @@ class DataParallelConfig:
     (MiB, > 0); mixed_precision, offload (`minipar.Offload`; cpu_offload=True is
     Offload(optimizer="cpu")): the ZeRO stages' (DDP computes in the parameters' own
     dtype: ZeRO-1 is DDP with fp32 masters); wrap_policy: how zero3 cuts units
-    (`minipar.units.select_units`); reshard_after_forward: zero3 frees a unit after its forward
+    (`minipar.core.units.select_units`); reshard_after_forward: zero3 frees a unit after its forward
     (default: yes without a pipeline, no under one); unit_check: zero3's ranks exchange, before each
-    unit's gathers and reduce-scatters, what they are about to do (`minipar.unit_turns`), so
-    units that only some ranks run are served (`minipar.fsdp`) instead of hanging; False saves one
+    unit's gathers and reduce-scatters, what they are about to do (`minipar.data_parallel.unit_turns`), so
+    units that only some ranks run are served (`minipar.data_parallel.zero3`) instead of hanging; False saves one
     8-byte exchange per collective when every rank surely runs the same units. ValueError names
     what to change."""
 
@@ -165,7 +165,7 @@ class Strategy(abc.ABC):
 
     def offloaded_state(self, write_back: bool = False) -> contextlib.AbstractContextManager:
         """A context in which the tensors the optimizer steps, and its state, are ordinary tensors
-        (they may live in files between steps: `minipar.offload`); ``write_back`` keeps what the
+        (they may live in files between steps: `minipar.data_parallel.offload`); ``write_back`` keeps what the
         block wrote into them."""
         return contextlib.nullcontext()
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from .comm import AxisGroup
+from ..core.comm import AxisGroup
 
 
 @dataclass

@@ -8,8 +8,8 @@ Every kind answers the same four calls:
     launch(comm)  start the collective (a parameter that gave nothing contributes zeros)
     land()        wait for it and put the result where the strategy keeps gradients
 
-DDP's `minipar.ddp.Bucket` all-reduces a persistent flat buffer that ``p.grad``
-views; ZeRO-1's `minipar.zero.FullGrads` reduce-scatters a persistent buffer
+DDP's `minipar.data_parallel.ddp.Bucket` all-reduces a persistent flat buffer that ``p.grad``
+views; ZeRO-1's `minipar.data_parallel.zero12.FullGrads` reduce-scatters a persistent buffer
 in place; ZeRO-2's buckets and ZeRO-3's units stage the gradient in a
 transient buffer (`GradStaging`) and reduce-scatter it into a shard.
 
@@ -29,7 +29,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from .comm import Comm
+from ..core.comm import Comm
 from .flat import ShardGroup
 
 
@@ -336,3 +336,26 @@ class BucketHooks:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+
+
+def bucket_params(params: list[nn.Parameter], cap_bytes: int) -> list[list[nn.Parameter]]:
+    """Cut ``params`` (in the order given) into buckets, one dtype and device each.
+
+    A bucket takes parameters while it holds fewer than ``cap_bytes``, so it
+    closes with the parameter that reaches the cap (as PyTorch DDP fills its
+    buckets). Closing *before* an overflowing parameter instead would strand
+    each small bias in a bucket of its own, one collective apiece.
+    """
+    groups: list[list[nn.Parameter]] = []
+    open_group: dict[tuple, tuple[int, int]] = {}  # (dtype, device) -> (index in groups, bytes)
+    for p in params:
+        key = (p.dtype, p.device)
+        nbytes = p.numel() * p.element_size()
+        if key in open_group and open_group[key][1] < cap_bytes:
+            gi, used = open_group[key]
+            groups[gi].append(p)
+            open_group[key] = (gi, used + nbytes)
+        else:
+            groups.append([p])
+            open_group[key] = (len(groups) - 1, nbytes)
+    return groups

@@ -10,7 +10,7 @@ asks `placement_of`. A parameter nobody placed is replicated everywhere.
 
 A parameter's data-parallel placement is not recorded here: it belongs to the
 data-parallel strategy, which says, per gradient piece it hands out, whether
-the piece is a shard (`minipar.strategy.GradPiece`).
+the piece is a shard (`minipar.data_parallel.strategy.GradPiece`).
 """
 
 from __future__ import annotations

@@ -72,9 +72,9 @@ from typing import Iterable
 
 import torch
 
-from .comm import AxisGroup, Comm
-from .ddp import DataParallel
-from .placement import placement_of
+from ..core.comm import AxisGroup, Comm
+from .ddp import DDP
+from ..core.placement import placement_of
 
 _SCALE_BYTES = 4  # one fp32 scale after each block's signs
 SCALE_BLOCK = 2048  # elements sharing one scale: 4 bytes per 256 bytes of signs (wire ratio ~1/31.5)
@@ -84,19 +84,19 @@ class OneBitAdam(torch.optim.AdamW):
     """AdamW for ``freeze_step`` steps, then frozen variance and a 1-bit compressed momentum exchange.
 
     Built by ``model.build_optimizer(OneBitAdam, lr=..., freeze_step=K)`` under ``strategy="ddp"``,
-    which passes ``strategy`` (the `minipar.ddp.DataParallel` whose gradient sync it takes over).
+    which passes ``strategy`` (the `minipar.data_parallel.ddp.DDP` whose gradient sync it takes over).
     Parameters must be fp32. Memory beyond AdamW: the error-feedback buffers, 1 + 1/n copies of the
     parameters (padded)."""
 
-    binds_strategy = True  # DataParallel.build_optimizer passes strategy=itself
+    binds_strategy = True  # DDP.build_optimizer passes strategy=itself
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, freeze_step: int,
-                 strategy: DataParallel | None = None) -> None:
+                 strategy: DDP | None = None) -> None:
         if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1:
             raise ValueError(f"freeze_step={freeze_step!r} must be an int >= 1: the variance is frozen after that "
                              "many full AdamW steps (the paper warms up for ~15-25% of training)")
-        if not isinstance(strategy, DataParallel):
+        if not isinstance(strategy, DDP):
             raise ValueError("OneBitAdam communicates the momentum itself and needs the DDP strategy: build it "
                              "with model.build_optimizer(minipar.OneBitAdam, lr=..., freeze_step=...) on a "
                              "ShardedModule(..., strategy='ddp'). ZeRO (zero1/zero2/zero3) is refused, as in "

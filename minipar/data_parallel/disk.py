@@ -1,4 +1,4 @@
-"""The offload files (`minipar.offload`, "nvme"): fixed-size flat arrays, one file per tensor, read by
+"""The offload files (`minipar.data_parallel.offload`, "nvme"): fixed-size flat arrays, one file per tensor, read by
 element range on a reader thread and written on a writer thread, every byte counted.
 
 A read waits for every write submitted before it, so it never sees stale data; writes are

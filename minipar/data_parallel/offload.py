@@ -22,7 +22,7 @@ What moves where, per rank (Φ: this rank's shard of the parameters)::
 Parameter offload needs optimizer offload (the step runs where the masters are; keeping 12
 bytes per element of optimizer state on the device while offloading 2-4 of parameters would
 be backwards). Every byte moved is counted (`OffloadTraffic`: to the device, to the host, read
-from and written to disk) and `offload_traffic` below predicts it exactly.
+from and written to disk) and `minipar.plan.offload_bytes.offload_traffic` predicts it exactly.
 
 The files: one per flat group and state (``g3.master``, ``g3.exp_avg``, ``g3.shard``...), under
 ``path/minipar-offload-rank00005-XXXX`` (one folder per model and rank), created at full size when the model is wrapped (a full disk
@@ -45,15 +45,14 @@ from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 
 from .disk import DiskFiles, OffloadError, OffloadTraffic, host_empty
 
-if TYPE_CHECKING:
-    from . import formulas as F
+# The optimizers whose per-element state offload knows how to move (and, under "nvme", to step in chunks).
+OFFLOAD_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 
 KINDS = (None, "cpu", "nvme")
 
@@ -319,63 +318,3 @@ def _constructor_kwargs(optimizer: torch.optim.Optimizer, group: dict | None = N
     """``optimizer``'s defaults (or ``group``'s options) that its class's constructor takes."""
     accepted = inspect.signature(type(optimizer).__init__).parameters
     return {k: v for k, v in (group or optimizer.defaults).items() if k in accepted and k != "params"}
-
-
-# -- the arithmetic, built on minipar.formulas (tests/test_offload.py proves it exact) -----------------
-
-
-def offload_state_bytes(ps: F.ParamSet, dp: F.DataParallel, optimizer: str | None, params: str | None,
-                        adam: bool = True) -> dict[str, int]:
-    """`state_bytes` with `minipar.Offload(optimizer=, params=)`: {"params", "grads", "optimizer"} on
-    the compute device, "host" (memory) and "disk" (files) for what is offloaded. The masters are
-    always a separate fp32 copy; under "nvme" the masters and moments are files and only the step
-    counters stay in host memory; parameter shards move whole (zero3 only)."""
-    from . import formulas as F  # (formulas imports the strategy config, which imports this module)
-    on_device = F.state_bytes(ps, dp, "adamw" if adam else "sgd")
-    groups = F.flat_groups(ps, dp)
-    real = sum(g.layout.real_len for g in groups)
-    opt = 4 * real + ((F.ADAMW_STATE * real + F.STEP_BYTES * len(groups)) if adam else 0)
-    out = {"params": on_device["params"], "grads": on_device["grads"], "optimizer": 0, "host": 0, "disk": 0}
-    if optimizer == "cpu":
-        out["host"] += opt
-    elif optimizer == "nvme":
-        steps = F.STEP_BYTES * len(groups) if adam else 0
-        out["disk"] += opt - steps
-        out["host"] += steps
-    else:
-        out["optimizer"] = on_device["optimizer"]
-    if params is not None:
-        out["host" if params == "cpu" else "disk"] += out["params"]
-        out["params"] = 0
-    return out
-
-
-def offload_traffic(ps: F.ParamSet, dp: F.DataParallel, optimizer: str | None, params: str | None,
-                    backwards: int = 1, pipeline: bool = False, first_step: bool = False,
-                    adam: bool = True) -> dict[str, int]:
-    """Bytes offloading moves in one optimizer step (what `offload_traffic()` counts): each
-    gradient shard's real part to the host; the new shard back to the device (or its file); under
-    "nvme" the masters read and written (and the moments, except that the first step reads none);
-    under params offload each zero3 gather's shard copied to the device (and read from its file)."""
-    from . import formulas as F
-    groups = F.flat_groups(ps, dp)
-    real = sum(g.layout.real_len for g in groups)
-    out = {"to_device": 0, "to_host": 0, "disk_read": 0, "disk_write": 0}
-    if optimizer is None:
-        return out
-    out["to_host"] += real * dp.grad_bytes
-    if optimizer == "nvme":
-        moments = F.ADAMW_STATE if adam else 0
-        out["disk_read"] += real * (4 + (0 if first_step else moments))
-        out["disk_write"] += real * (4 + moments)
-    if params is None:
-        out["to_device"] += real * dp.param
-        return out
-    if params == "nvme":
-        out["disk_write"] += real * dp.param
-    for g, gathers in zip(groups, F.zero3_gathers(ps, dp, backwards, pipeline)):
-        moved = g.layout.shard_size * dp.param * gathers
-        out["to_device"] += moved
-        if params == "nvme":
-            out["disk_read"] += moved
-    return out
