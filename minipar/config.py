@@ -13,14 +13,11 @@ from typing import Any
 
 import torch.nn as nn
 
-from .data_parallel.ddp import DDP
-from .data_parallel.zero3 import Zero3
+from .data_parallel import ddp, zero12, zero3  # noqa: F401 -- the built-in strategies register themselves
 from .core.mesh import Mesh
 from .pipeline.step import PipelineConfig
-from .data_parallel.precision import FP32
-from .data_parallel.strategy import DataParallelConfig, Strategy
+from .data_parallel.strategy import DataParallelConfig, Strategy, strategy_entry
 from .tensor_parallel import TensorParallelConfig
-from .data_parallel.zero12 import Zero1, Zero2
 
 # The flat keyword arguments ShardedModule also takes, and the config each belongs to (and its field).
 _FLAT_OPTIONS = {
@@ -60,12 +57,6 @@ def resolve_configs(strategy: str | DataParallelConfig, tensor_parallel: TensorP
 
 
 def build_strategy(config: DataParallelConfig, module: nn.Module, mesh: Mesh, reshard_after_forward: bool) -> Strategy:
-    """The data-parallel strategy of ``config`` over ``module``'s (tensor-/expert-parallel local) parameters."""
-    policy = config.mixed_precision or FP32
-    if not config.sharded:
-        return DDP(module, mesh, bucket_cap_mb=config.bucket_cap_mb)
-    if config.zero3:
-        return Zero3(module, mesh, policy, config.offload, config.wrap_policy, reshard_after_forward,
-                     config.unit_check)
-    stage = {"zero1": Zero1, "zero2": Zero2}[config.strategy]
-    return stage(module, mesh, policy, config.offload, config.bucket_cap_mb)
+    """The data-parallel strategy of ``config`` over ``module``'s (tensor-/expert-parallel local) parameters:
+    whatever `minipar.data_parallel.strategy.register_strategy` registered under its name."""
+    return strategy_entry(config.strategy).build(module, mesh, config, reshard_after_forward)

@@ -412,3 +412,43 @@ def test_keyword_arguments_and_outputs_pass_through(pools):
     for grad, keys, _, _ in results:
         torch.testing.assert_close(grad, ref.lin.weight.grad)
         assert keys == ["lin.bias", "lin.weight"]  # the original module's names, no wrapper prefix
+
+
+# -- a strategy of one's own: one registration, no edit elsewhere -----------------------------------
+
+def _own_strategy(ctx, name: str):
+    """Register a strategy named ``name`` (DDP with every gradient in one bucket, built by its own
+    function) in this rank's process, and train three steps with it: the losses and parameters."""
+    from minipar.data_parallel.ddp import DDP
+    from minipar.data_parallel.strategy import register_strategy
+    register_strategy("one_bucket", lambda module, mesh, config, reshard: DDP(module, mesh, bucket_cap_mb=1e9))
+    mesh = Mesh()
+    options = {"bucket_cap_mb": 1e-3} if name == "ddp" else {}  # several buckets for the built-in one
+    model = ShardedModule(GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16)), mesh=mesh,
+                          strategy=name, **options)
+    opt = model.build_optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD, eps=EPS)
+    data = batches(5, 3, 1, ctx.world_size, 2, 8, 32)
+    losses = []
+    for s in range(3):
+        x = data[s, 0, 2 * ctx.rank: 2 * ctx.rank + 2]
+        losses.append(model.train_step(x[:, :-1], x[:, 1:], gpt_loss).item())
+        opt.step()
+        opt.zero_grad()
+    state = {k: v.clone() for k, v in model.full_state_dict().items()}
+    buckets = len(model.strategy.buckets)
+    mesh.destroy()
+    return losses, state, buckets
+
+
+def test_a_registered_strategy_is_built_by_the_front_door(pools):
+    """`register_strategy` is all a new data-parallel strategy needs: ``ShardedModule(strategy=name)``
+    builds it through the registry (here DDP in one bucket, against the built-in DDP's several), it
+    trains equal to DDP, and a name nobody registered is refused listing the ones that are."""
+    mine, builtin = (pools.run(2, _own_strategy, name) for name in ("one_bucket", "ddp"))
+    for (losses, state, buckets), (ref_losses, ref_state, ref_buckets) in zip(mine, builtin):
+        assert buckets == 1 < ref_buckets
+        assert losses == pytest.approx(ref_losses, rel=1e-6)
+        for k in ref_state:
+            torch.testing.assert_close(state[k], ref_state[k])
+    with pytest.raises(ValueError, match="unknown strategy 'one_bucket'; choose one of ddp"):
+        ShardedModule(nn.Linear(2, 2), strategy="one_bucket")  # registered in the ranks' processes only

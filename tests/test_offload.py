@@ -347,7 +347,7 @@ def test_offload_options_are_checked():
         DataParallelConfig("zero2", offload=Offload(optimizer="cpu", params="cpu"))
     with pytest.raises(ValueError, match="not both"):
         DataParallelConfig("zero3", cpu_offload=True, offload=Offload(optimizer="cpu"))
-    with pytest.raises(ValueError, match="apply to the sharded strategies"):
+    with pytest.raises(ValueError, match="offload does not apply to strategy='ddp'"):
         DataParallelConfig("ddp", offload=Offload(optimizer="cpu"))
     assert DataParallelConfig("zero1", cpu_offload=True).offload == Offload(optimizer="cpu")
     assert "does not exist" in check_path(Offload(optimizer="nvme", path=os.path.join(d, "no-such-dir")))

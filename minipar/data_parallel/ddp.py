@@ -57,7 +57,7 @@ from ..core.grad_norm import GradPiece
 from ..core.mesh import Mesh
 from ..core.placement import placement_of
 from .precision import LossScaler
-from .strategy import Strategy, optimizer_state_tensors, storage_bytes
+from .strategy import Strategy, optimizer_state_tensors, register_strategy, storage_bytes
 
 
 @dataclass
@@ -238,3 +238,7 @@ class DDP(BucketHooks, Strategy):
         return {"params": sum(p.numel() * p.element_size() for p in ps),
                 "grads": sum(b.flat.numel() * b.flat.element_size() for b in self.buckets),
                 "optimizer": storage_bytes(state, set())}
+
+
+register_strategy("ddp", lambda module, mesh, config, reshard_after_forward: DDP(module, mesh, config.bucket_cap_mb),
+                  options=("bucket_cap_mb",))

@@ -30,7 +30,7 @@ import abc
 import math
 import contextlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -38,7 +38,54 @@ from ..core.grad_norm import GradPiece
 from .offload import Offload
 from .precision import LossScaler, MixedPrecision
 
-STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")  # "fsdp" is another name for "zero3"
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")  # the built-in ones; "fsdp" is another name for "zero3"
+
+
+@dataclass(frozen=True)
+class StrategyEntry:
+    """A registered data-parallel strategy: how the front door builds it and what it takes.
+
+    build(module, mesh, config, reshard_after_forward) -> Strategy; options: the `DataParallelConfig`
+    fields it reads besides ``strategy`` (any other one given is refused, naming the strategies that
+    take it); sharded: it shards the optimizer state (``ShardedModule`` then casts floating inputs to
+    the compute dtype, and HSDP meshes accept it)."""
+
+    name: str
+    build: Callable[..., Any]
+    options: frozenset
+    sharded: bool
+
+
+_REGISTRY: dict[str, StrategyEntry] = {}
+
+
+def register_strategy(name: str, build: Callable[..., Any], *, options: tuple[str, ...] = (), sharded: bool = False,
+                      aliases: tuple[str, ...] = ()) -> None:
+    """Make ``strategy=name`` (and each alias) build ``build(module, mesh, config, reshard_after_forward)``:
+    a new data-parallel strategy is one module that calls this, and nothing else changes (the front
+    door asks every strategy only the `Strategy` protocol). ``options``: the config fields it reads."""
+    unknown = set(options) - set(_OPTION_FIELDS)
+    if unknown:
+        raise ValueError(f"register_strategy({name!r}): unknown options {sorted(unknown)}; the config's are "
+                         f"{', '.join(_OPTION_FIELDS)}")
+    entry = StrategyEntry(name, build, frozenset(options), sharded)
+    for key in (name, *aliases):
+        _REGISTRY[key] = entry
+
+
+def strategy_entry(name: str) -> StrategyEntry:
+    """The registered strategy ``name`` (ValueError listing the registered ones)."""
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown strategy {name!r}; choose one of {', '.join(_REGISTRY)}")
+    return _REGISTRY[name]
+
+
+# The config fields a strategy may take, with the values that mean "not given". Those in _REFUSED change
+# what is computed or kept, and a strategy that does not take them refuses them; the others (bucket size,
+# resharding, the unit check) tune how, and a strategy that has no such thing ignores them.
+_OPTION_FIELDS = {"bucket_cap_mb": 25.0, "mixed_precision": None, "offload": None, "wrap_policy": None,
+                  "reshard_after_forward": None, "unit_check": True}
+_REFUSED = ("mixed_precision", "offload", "wrap_policy")
 
 
 @dataclass(frozen=True)
@@ -66,8 +113,7 @@ class DataParallelConfig:
     unit_check: bool = True
 
     def __post_init__(self) -> None:
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}")
+        entry = strategy_entry(self.strategy)
         cap = self.bucket_cap_mb
         if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not 0 < cap < math.inf:
             raise ValueError(f"bucket_cap_mb={cap!r} must be a finite number > 0 (MiB per gradient bucket; "
@@ -88,27 +134,31 @@ class DataParallelConfig:
         if self.offload is not None and self.offload.optimizer is None:  # offloads nothing (params needs
             # optimizer): the plain strategy, fused step and all
             object.__setattr__(self, "offload", None)
-        if self.offload is not None and self.offload.params is not None and not self.zero3:
+        if self.offload is not None and self.offload.params is not None and "wrap_policy" not in entry.options:
             raise ValueError(f"Offload(params={self.offload.params!r}) offloads zero3's parameter shards; "
                              f"{self.strategy} keeps the full parameters on every rank: use strategy='zero3', or "
                              "offload only the optimizer (Offload(optimizer=...))")
-        if self.strategy == "ddp" and (self.mixed_precision is not None or self.offload is not None
-                                       or self.wrap_policy is not None):
-            raise ValueError("mixed_precision, offload (cpu_offload) and wrap_policy apply to the sharded strategies (DDP "
-                             "computes in the parameters' own dtype); use strategy='zero1', 'zero2' or 'zero3' "
-                             "for them (zero1 is DDP with fp32 masters and a sharded optimizer)")
-        if self.strategy in ("zero1", "zero2") and self.wrap_policy is not None:
-            raise ValueError("wrap_policy chooses zero3 units; zero1/zero2 do not use it")
+        given = [k for k in _REFUSED if getattr(self, k) != _OPTION_FIELDS[k] and k not in entry.options]
+        if given:
+            takers = sorted({e.name for e in _REGISTRY.values() if set(given) <= e.options})
+            raise ValueError(f"{', '.join(given)} {'do' if len(given) > 1 else 'does'} not apply to "
+                             f"strategy={self.strategy!r} (it takes "
+                             f"{', '.join(sorted(entry.options)) or 'no options'}); use "
+                             f"{' or '.join(repr(t) for t in takers) or 'another strategy'} for "
+                             f"{'them' if len(given) > 1 else 'it'}"
+                             + (" (zero1 is DDP with fp32 masters and a sharded optimizer)"
+                                if not entry.sharded else ""))
         if self.mixed_precision is not None and not isinstance(self.mixed_precision, MixedPrecision):
             raise ValueError("mixed_precision must be a minipar.MixedPrecision(param_dtype=..., reduce_dtype=...)")
 
     @property
     def sharded(self) -> bool:
-        return self.strategy != "ddp"
+        return strategy_entry(self.strategy).sharded
 
     @property
     def zero3(self) -> bool:
-        return self.strategy in ("zero3", "fsdp")
+        """It cuts the model into units (what a wrap policy chooses, what recomputation must not split)."""
+        return "wrap_policy" in strategy_entry(self.strategy).options
 
 
 class Strategy(abc.ABC):

@@ -41,6 +41,8 @@ a plain torch optimizer would skip it.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn as nn
 
@@ -48,9 +50,10 @@ from .flat import FlatLayout, ShardGroup
 from .buckets import BucketHooks, GradStaging, ShardBucket, bucket_params, claim, divide_all_into
 from ..core.mesh import Mesh
 from .offload import Offload
-from .precision import MixedPrecision
+from .precision import FP32, MixedPrecision
 from ..core.comm import AxisGroup, Comm
 from .sharded_state import GradState, ShardedState, make_master
+from .strategy import register_strategy
 
 
 class _BucketedShards(BucketHooks, ShardedState):
@@ -243,3 +246,13 @@ class Zero2(_BucketedShards):
         for g in self.groups:
             g.grad_shard = torch.zeros(g.layout.shard_size, dtype=self.policy.grad_dtype, device=g.shard.device)
         return [GradStaging(g, self.policy.grad_dtype) for g in self.groups]
+
+
+def _build(stage: type) -> Callable:
+    def build(module: nn.Module, mesh: Mesh, config, reshard_after_forward: bool) -> _BucketedShards:
+        return stage(module, mesh, config.mixed_precision or FP32, config.offload, config.bucket_cap_mb)
+    return build
+
+
+register_strategy("zero1", _build(Zero1), options=("bucket_cap_mb", "mixed_precision", "offload"), sharded=True)
+register_strategy("zero2", _build(Zero2), options=("bucket_cap_mb", "mixed_precision", "offload"), sharded=True)

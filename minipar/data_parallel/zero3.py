@@ -65,9 +65,10 @@ from torch.utils._pytree import tree_flatten
 from .flat import FlatLayout, ShardGroup
 from .buckets import EndOfBackward, GradStaging, LaunchOrder, adopt, owner
 from ..core.mesh import Mesh
-from .precision import MixedPrecision
+from .precision import FP32, MixedPrecision
 from .offload import Offload
 from .sharded_state import GradState, ShardedState, make_master
+from .strategy import register_strategy
 from .unit_turns import UnitTurns
 from ..core.units import assign_params, select_units
 
@@ -389,3 +390,9 @@ def _following(order: list[Unit], u: Unit) -> Unit | None:
         if x is u:
             return order[i + 1]
     return None
+
+
+register_strategy("zero3", lambda module, mesh, config, reshard: Zero3(
+    module, mesh, config.mixed_precision or FP32, config.offload, config.wrap_policy, reshard, config.unit_check),
+    options=("mixed_precision", "offload", "wrap_policy", "reshard_after_forward", "unit_check"),
+    sharded=True, aliases=("fsdp",))
