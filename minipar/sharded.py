@@ -44,6 +44,7 @@ from .data_parallel.precision import FP32
 from .config import build_strategy, resolve_configs
 from .data_parallel.strategy import DataParallelConfig, Strategy
 from .core.syncs import to_device
+from .tensor_parallel.model_plan import plan_for
 from .tensor_parallel import TensorParallelConfig, check_plan, mark_sequence_parallel, parallelize, vocab_parallel_cross_entropy
 
 class ShardedModule(nn.Module):
@@ -126,13 +127,9 @@ class ShardedModule(nn.Module):
             chosen = select_checkpointed(module, activation_checkpointing)
             if dp_config.zero3:
                 check_units(chosen, units)
-        if mesh.tp > 1 and tp_config.plan is None and not hasattr(module, "tp_plan"):
-            raise ValueError(f"the mesh has tp={mesh.tp} but {type(module).__name__} has no tp_plan(); pass "
-                             "tp_plan={'module.pattern': 'colwise' | 'rowwise' | 'vocab', ...}")
         plan = None  # the model's own plan checks its sizes against tp (heads, vocabulary) here
         if mesh.tp > 1:
-            plan = tp_config.plan if tp_config.plan is not None else \
-                module.tp_plan(mesh.tp, sequence_parallel=sequence_parallel)
+            plan = plan_for(module, mesh.tp, tp_config)
             check_plan(module, plan, mesh.tp)  # patterns, styles, sizes, ties: before any collective
         # cp > 1: attention and positions switch to the split sequence (attention dropout, heads per
         # rank that Ulysses cannot split: ValueError here, before any collective)
@@ -282,13 +279,13 @@ class ShardedModule(nn.Module):
             self._join.close()  # also when the block raised: the optimizer keeps no hook of ours
             self._join = None
 
-    def build_optimizer(self, optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any):
+    def build_optimizer(self, optimizer_cls: type[torch.optim.Optimizer], *args: Any, **kwargs: Any):
         """The optimizer to step: ``optimizer_cls`` over the parameters this rank updates.
 
         Under DDP a plain ``optimizer_cls`` over the module's parameters; under
         ZeRO a `ShardedOptimizer` over this rank's fp32 master shards.
         """
-        return self.strategy.build_optimizer(optimizer_cls, **kwargs)
+        return self.strategy.build_optimizer(optimizer_cls, *args, **kwargs)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip gradients by the norm of the whole model's gradient (`minipar.core.grad_norm`: every shard,
