@@ -5,7 +5,8 @@ was given (each parameter's and buffer's name, shape and dtype) and the
 options, in words that are equal on equal inputs (a function by its
 qualified name, never its address), and one collective compares them: a
 difference raises ValueError on every rank naming the two ranks, their mesh
-coordinates and the first difference. Then every rank takes world rank 0's
+coordinates, and every option (as its config's field, e.g.
+``strategy.bucket_cap_mb``) and tensor that differs, with both ranks' values. Then every rank takes world rank 0's
 initial weights (`broadcast_initial_state`), so ranks seeded differently
 still train one model: each tensor-parallel shard is cut from the same full
 tensor and every replica (over dp, tp, pp's tied copy) starts equal.
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from .core.comm_errors import first_difference
 from .core.mesh import Mesh
 from .core.syncs import read_on_host
 
@@ -65,15 +67,68 @@ def model_structure(module: nn.Module) -> list[str]:
 
 def agree_on_model(mesh: Mesh, module: nn.Module, options: dict[str, Any]) -> None:
     """ValueError on every rank unless every rank of the world holds the same model and options, and
-    the model's tensors hold their values."""
+    the model's tensors hold their values. The message names every option and tensor that differs
+    between world rank 0 and the first rank that differs from it, with both ranks' values."""
     structure = model_structure(module)
-    mesh.comm.check_same("the ShardedModule configuration (model structure and options)",
-                         {"options": describe(options), "model": structure}, mesh.world, where=mesh.where)
+    mine = {"options": describe(options), "model": structure}
+    everyone = mesh.comm.all_gather_object(mine, mesh.world, tag="config_check")
+    odd = [r for r, theirs in enumerate(everyone) if theirs != everyone[0]]
+    if odd:  # every rank gathered the same list: all raise together
+        raise ValueError(_configuration_differs(mesh, everyone[0], everyone[odd[0]], odd))
     freed = [line.split()[0] for line in structure if line.endswith(" freed")]
     if freed:  # the same on every rank (just agreed): all raise together
         raise ValueError(f"the model's tensors {freed[:3]}{' ...' if len(freed) > 3 else ''} have no storage: a ZeRO-3 "
                          "ShardedModule wrapped this model and keeps its values in its shards. Wrap a fresh model "
                          "(load that wrapper's full_state_dict() into it to go on from where it was)")
+
+
+def _configuration_differs(mesh: Mesh, first: dict, other: dict, odd: list[int]) -> str:
+    """The message for world rank 0's description ``first`` against rank ``odd[0]``'s ``other``."""
+    r = odd[0]
+    lines = ["the ShardedModule configuration (model structure and options) differs between ranks of the "
+             "'world' group; build it identically on every rank (an option computed from the rank, or a "
+             "model built from rank-dependent sizes, is the usual cause).",
+             f"{', '.join(f'rank {o}' for o in odd)} differ(s) from rank 0; rank 0 ({mesh.where(0)}) and rank {r} "
+             f"({mesh.where(r)}) differ first at {first_difference(first, other)}",
+             f"what differs between rank 0 and rank {r}:"]
+    found = [f"option {path}: {a} on rank 0, {b} on rank {r}"
+             for path, a, b in _leaf_differences(first["options"], other["options"])]
+    found += _model_differences(first["model"], other["model"], r)
+    shown = 8  # enough to see the pattern; a model built from another config differs in every tensor
+    lines += [f"  {line}" for line in found[:shown]]
+    if len(found) > shown:
+        lines.append(f"  ... and {len(found) - shown} more")
+    return "\n".join(lines)
+
+
+def _leaf_differences(a: Any, b: Any, path: str = "") -> list[tuple[str, str, str]]:
+    """(dotted path, value on one side, value on the other) of every leaf where two descriptions
+    (`describe`) differ: ``tensor_parallel.sequence_parallel``, ``pipeline.boundaries[1]``."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for k in list(a) + [k for k in b if k not in a]:
+            where = f"{path}.{k}" if path else str(k)
+            if k not in a or k not in b:
+                out.append((where, repr(a[k]) if k in a else "absent", repr(b[k]) if k in b else "absent"))
+            elif a[k] != b[k]:
+                out += _leaf_differences(a[k], b[k], where)
+        return out
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        return [d for i, (x, y) in enumerate(zip(a, b)) if x != y for d in _leaf_differences(x, y, f"{path}[{i}]")]
+    return [(path or "the options", repr(a), repr(b))]
+
+
+def _model_differences(first: list[str], other: list[str], r: int) -> list[str]:
+    """What differs between two `model_structure` lists, tensor by tensor (by name)."""
+    def by_name(lines: list[str]) -> dict[str, str]:
+        return {line.split(" ", 1)[0]: line.split(" ", 1)[1] for line in lines}
+    a, b = by_name(first), by_name(other)
+    out = [f"model tensor {n}: {a[n]} on rank 0, {b[n]} on rank {r}" for n in a if n in b and a[n] != b[n]]
+    out += [f"model tensor {n}: {a[n]} on rank 0, absent on rank {r}" for n in a if n not in b]
+    out += [f"model tensor {n}: absent on rank 0, {b[n]} on rank {r}" for n in b if n not in a]
+    if not out and first != other:  # the same tensors, registered in another order
+        out.append(f"model: the same tensors registered in another order on rank {r}")
+    return out
 
 
 @torch.no_grad()

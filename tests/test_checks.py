@@ -81,6 +81,33 @@ def test_an_option_that_differs_only_in_a_dtype_is_found(pools):
         assert "['param_dtype']: 'torch.bfloat16' vs 'torch.float16'" in message, message
 
 
+def _rank_dependent_options(ctx):
+    mesh = Mesh()
+    policy = MixedPrecision(torch.bfloat16 if ctx.rank < 2 else torch.float16)
+    cfg = {**CFG, "n_layer": 2 if ctx.rank < 2 else 3}
+    with pytest.raises(ValueError) as info:
+        ShardedModule(GPT(GPTConfig(**cfg)), mesh=mesh, strategy="zero2", mixed_precision=policy,
+                      bucket_cap_mb=1.0 + (ctx.rank == 2), dropout_seed=7)
+    ok = _healthy(mesh)
+    mesh.destroy()
+    return str(info.value), ok
+
+
+def test_rank_dependent_options_are_named_with_both_ranks_values(pools):
+    """Issue 31: rank 2 computes its options and model from its rank. Every rank's error lists each
+    option that differs, by its config's field, with rank 0's and rank 2's values, and each tensor
+    that differs or is missing; options given alike (dropout_seed) are not listed."""
+    for message, healthy in pools.run(3, _rank_dependent_options, timeout=60):
+        assert healthy
+        assert "rank 2 differ(s) from rank 0" in message, message
+        assert "what differs between rank 0 and rank 2:" in message, message
+        assert "option strategy.bucket_cap_mb: 1.0 on rank 0, 2.0 on rank 2" in message, message
+        assert ("option strategy.mixed_precision.param_dtype: 'torch.bfloat16' on rank 0, "
+                "'torch.float16' on rank 2") in message, message
+        assert "model tensor layers.2.attn.q_proj.weight: absent on rank 0, (8, 8) torch.float32 on rank 2" in message
+        assert "dropout_seed" not in message, message
+
+
 def _callable_policy(ctx):
     mesh = Mesh()
     model = ShardedModule(GPT(GPTConfig(**CFG)), mesh=mesh, strategy="zero3",
