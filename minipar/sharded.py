@@ -17,8 +17,8 @@ data-parallel strategy) and asks the strategy only through that protocol.
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import math
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
@@ -28,24 +28,23 @@ from torch.utils._pytree import tree_map
 from . import kernels
 from .checks import agree_on_model, broadcast_initial_state, check_batch
 from .context_parallel.context import ContextParallel, check_form
-from .core.units import select_units
 from .full_state import full_tensors
 from .core.grad_norm import clip_
 from .data_parallel.join import Join, scaled
 from .core.mesh import Mesh
-from .moe.layer import check_moe_config, moe_layers, shard_experts
+from .moe.expert_parallel import apply_experts, check_experts
+from .moe.layer import moe_layers
 from .data_parallel.offload import agree as agree_offload, check_path
-from .recompute import check_units, checkpoint_modules, select_checkpointed
-from .pipeline import Stage, default_boundaries, resolve_boundaries, spec_for
-from .pipeline.cut_check import check_spec
-from .pipeline.spec import find
-from .pipeline.step import Pipeline, PipelineConfig
+from .recompute import checkpoint_modules, select_checkpointed
+from .pipeline.cut import PipelineCut
+from .pipeline.step import PipelineConfig
+from .data_parallel.layout_check import check_data_parallel
 from .data_parallel.precision import FP32
 from .config import build_strategy, resolve_configs
-from .data_parallel.strategy import DataParallelConfig, Strategy
+from .data_parallel.strategy import DataParallelConfig
 from .core.syncs import to_device
 from .tensor_parallel.model_plan import plan_for
-from .tensor_parallel import TensorParallelConfig, check_plan, mark_sequence_parallel, parallelize, vocab_parallel_cross_entropy
+from .tensor_parallel import TensorParallelConfig, check_plan, parallelize, vocab_parallel_cross_entropy
 
 class ShardedModule(nn.Module):
     """Wrap ``module`` for training over ``mesh``: tensor parallelism on the tp axis (when tp > 1),
@@ -83,107 +82,56 @@ class ShardedModule(nn.Module):
         super().__init__()
         dp_config, tp_config, pp_config = resolve_configs(strategy, tensor_parallel, pipeline, options)
         check_form(context_parallel)
-        sequence_parallel = tp_config.sequence_parallel
         if not any(True for _ in module.parameters()):
             raise ValueError(f"{type(module).__name__} has no parameters: there is nothing to train or "
                              "synchronise; wrap the module that owns the parameters")
-        if mesh is None:
-            mesh = Mesh()
-        reshard_after_forward = dp_config.reshard_after_forward
-        if reshard_after_forward is None:  # a pipeline runs each unit m times per step: keep it gathered
-            reshard_after_forward = mesh.pp == 1
-        runner = None
-        if mesh.pp > 1:  # a model we cannot cut, or bad cuts: ValueError before any collective
-            spec = pp_config.stage_spec or spec_for(module)
-            check_spec(module, spec)
-            n_blocks = len(find(module, spec.blocks))
-            tied = find(module, spec.tied[0]) if spec.tied_in(module) else None
-            tied_shape = (tied.shape[0] // mesh.tp,) + tuple(tied.shape[1:]) if tied is not None else None
-            runner = Pipeline(mesh, pp_config, spec.hidden_size, tied_shape,
-                              seq_divisor=mesh.tp if sequence_parallel else 1)
-            pieces = mesh.pp * pp_config.chunks
-            if pp_config.chunks > 1 and pieces > n_blocks:  # (one chunk: balanced_boundaries says it)
-                raise ValueError(f"pp={mesh.pp} x {pp_config.chunks} chunk(s) per rank ({pp_config.schedule}) makes "
-                                 f"{pieces} pipeline pieces but the model has {n_blocks} blocks: every piece needs one; "
-                                 "use fewer stages or chunks")
-            boundaries = default_boundaries(module, pieces, spec) if pp_config.boundaries is None else \
-                resolve_boundaries(pp_config.boundaries, n_blocks, pieces)
-            if runner.splits_backward and dp_config.zero3 and reshard_after_forward:
-                raise ValueError(f"schedule={pp_config.schedule!r} computes weight gradients (W) after the "
-                                 "backward that freed the gathered parameters with reshard_after_forward=True; "
-                                 "leave reshard_after_forward unset (False under a pipeline) or use '1f1b'")
-        if mesh.hsdp and not dp_config.sharded:
-            raise ValueError(f"the mesh has dp_shard={mesh.dp_shard} (HSDP) but DDP shards nothing; use "
-                             "strategy='zero1', 'zero2' or 'zero3', or build the mesh without dp_shard")
-        experts = moe_layers(module)
-        if mesh.ep > 1 and not experts:
-            raise ValueError(f"the mesh has ep={mesh.ep} but {type(module).__name__} has no MoE layers: "
-                             "expert parallelism has nothing to split; build the mesh with ep=1")
-        for layer in experts:  # experts not divisible by ep, on every rank before any collective
-            check_moe_config(layer.n_experts, layer.top_k, layer.capacity_factor, mesh.ep)
-        if dp_config.zero3:  # a wrap policy that matches nothing raises here
-            units = [n for n, _ in select_units(module, dp_config.wrap_policy)]
-        if activation_checkpointing is not False:  # a policy that matches nothing, or cuts a zero3 unit
-            chosen = select_checkpointed(module, activation_checkpointing)
-            if dp_config.zero3:
-                check_units(chosen, units)
-        plan = None  # the model's own plan checks its sizes against tp (heads, vocabulary) here
-        if mesh.tp > 1:
-            plan = plan_for(module, mesh.tp, tp_config)
-            check_plan(module, plan, mesh.tp)  # patterns, styles, sizes, ties: before any collective
-        # cp > 1: attention and positions switch to the split sequence (attention dropout, heads per
-        # rank that Ulysses cannot split: ValueError here, before any collective)
+        mesh = mesh if mesh is not None else Mesh()
+        sp = tp_config.sequence_parallel
+        reshard = dp_config.reshard_after_forward
+        if reshard is None:  # a pipeline runs each unit m times per step: keep it gathered
+            reshard = mesh.pp == 1
+
+        # Each family checks its part on every rank before any collective (ValueError saying the fix).
+        cut = PipelineCut(module, mesh, pp_config, sequence_parallel=sp, frees_gathered=dp_config.zero3 and reshard) \
+            if mesh.pp > 1 else None
+        recomputed = select_checkpointed(module, activation_checkpointing) if activation_checkpointing is not False else []
+        check_data_parallel(module, mesh, dp_config, recomputed)
+        experts = check_experts(module, mesh)
+        plan = plan_for(module, mesh.tp, tp_config) if mesh.tp > 1 else None
+        if plan is not None:
+            check_plan(module, plan, mesh.tp)  # patterns, styles, sizes, ties
         self.context = ContextParallel(module, mesh, context_parallel) if mesh.cp > 1 else None
         offload_path_error = check_path(dp_config.offload)  # missing or unwritable: agreed just below
+
         # The first collectives: a model, layout or plan that differs between ranks fails here, on
         # every rank, instead of hanging in the first forward; then every rank starts from rank 0's weights.
-        agree_on_model(mesh, module, {"strategy": dp_config, "reshard": reshard_after_forward,
-                                      "tensor_parallel": tp_config, "pipeline": pp_config,
-                                      "activation_checkpointing": activation_checkpointing,
+        agree_on_model(mesh, module, {"strategy": dp_config, "reshard": reshard, "tensor_parallel": tp_config,
+                                      "pipeline": pp_config, "activation_checkpointing": activation_checkpointing,
                                       "context_parallel": context_parallel})
         if dp_config.offload is not None and dp_config.offload.nvme:  # (the same on every rank: agreed above)
             agree_offload(mesh, "the offload path check", offload_path_error)
         broadcast_initial_state(module, mesh)
-        if runner is not None:
-            runner.connect()
-        config = getattr(module, "config", None)  # what a batch is checked against (`minipar.checks`)
-        self._vocab_size = getattr(config, "vocab_size", None)
-        sp = mesh.tp if sequence_parallel else 1  # each tp rank holds a slice of (its cp rank's) sequence
-        cp = self.context.seq_multiple if self.context is not None else 1
-        self._seq_shards = math.lcm(cp, mesh.cp * sp)
-        self._seq_shards_why = " and ".join(
-            ([f"{cp} chunks for context_parallel={self.context.form!r} at cp={mesh.cp}"] if cp > 1 else [])
-            + ([f"tp={mesh.tp} shards for sequence parallelism"] if sp > 1 else []))
-        self._block_size = next((getattr(config, k) for k in ("block_size", "max_position_embeddings", "n_positions")
-                                 if isinstance(getattr(config, k, None), int)), None)
-        self.mesh = mesh
-        self.strategy_name = dp_config.strategy
-        self.pipeline = runner
-        if mesh.pp > 1:  # keep only this stage's pieces of the model
-            whole, module = module, Stage(module, mesh.pp_rank, mesh.pp, boundaries, spec,
-                                          chunks=pp_config.chunks, placement=pp_config.placement)
-            if plan is not None:  # the plan's modules that this stage holds, under the stage's names
-                plan = stage_plan(plan, whole, module)
+        self.batch_rules = BatchRules.of(module, mesh, self.context, sp, cut.runner.microbatches if cut else 1)
+
+        # Then each family applies its part, in order: the pipeline keeps this rank's stage, tensor
+        # parallelism shards it, experts spread over ep, recomputation wraps blocks, and the
+        # data-parallel strategy takes whatever parameters this rank now holds.
+        if cut is not None:
+            cut.runner.connect()
+            module, plan = cut.stage(module, plan)
         self.module = module.to(mesh.device)
-        if plan is not None:  # tensor parallelism first: the data-parallel strategy then sees this rank's shards
-            parallelize(self.module, mesh, plan, sequence_parallel=sequence_parallel,
-                        dropout_seed=tp_config.dropout_seed)
-        self._moe_sequence_parallel = bool(experts) and sequence_parallel and mesh.tp > 1
-        if experts:  # this rank keeps its E / ep experts; tokens reach the others by all-to-all
-            shard_experts(self.module, mesh)
-            if self._moe_sequence_parallel:  # each tp rank routes its own slice of the sequence
-                for layer in moe_layers(self.module):
-                    layer.sequence_shards = mesh.tp
-                    for p in layer.parameters():
-                        mark_sequence_parallel(p, mesh)
+        if plan is not None:
+            parallelize(self.module, mesh, plan, sequence_parallel=sp, dropout_seed=tp_config.dropout_seed)
+        self._moe_sequence_parallel = apply_experts(self.module, mesh, sp) if experts else False
         self.checkpointed = checkpoint_modules(self.module, activation_checkpointing, mesh.device) \
             if activation_checkpointing is not False else []
-        policy = dp_config.mixed_precision or FP32
-        self._cast_inputs_to = policy.param_dtype if policy.param_dtype != torch.float32 else None
-        self.strategy = build_strategy(dp_config, self.module, mesh, reshard_after_forward)
-        self._join: Join | None = None
-        if runner is not None:  # every micro-batch accumulates locally; the step syncs once (pipeline.step)
+        self.strategy = build_strategy(dp_config, self.module, mesh, reshard)
+        if cut is not None:  # every micro-batch accumulates locally; the step syncs once (pipeline.step)
             self.strategy.local_accumulation = True
+        self.mesh, self.pipeline, self.strategy_name = mesh, cut.runner if cut is not None else None, dp_config.strategy
+        policy = dp_config.mixed_precision or FP32  # floating inputs meet parameters of the compute dtype
+        self._cast_inputs_to = policy.param_dtype if policy.param_dtype != torch.float32 else None
+        self._join: Join | None = None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.pipeline is not None:  # this rank holds one stage: a direct call would be its forward alone
@@ -225,10 +173,7 @@ class ShardedModule(nn.Module):
             raise ValueError("train_step without a loss_fn has the model compute its own loss from the whole "
                              "model's forward, which pipeline, tensor and context parallelism split: pass a "
                              "loss_fn (e.g. model.cross_entropy)")
-        flags = check_batch(self.mesh, inputs, targets, self._vocab_size, self._block_size, active=active,
-                            microbatches=self.pipeline.microbatches if self.pipeline is not None else 1,
-                            seq_shards=self._seq_shards, seq_shards_why=self._seq_shards_why,
-                            ids_only_why=f"pipeline parallelism (pp={self.mesh.pp})" if self.pipeline is not None else "")
+        flags = check_batch(self.mesh, inputs, targets, active=active, **self.batch_rules.check_batch_args())
         inputs, targets = to_device((inputs, targets), self.mesh.device)  # a host batch: checked there, for free
         if self.context is not None:  # each cp rank keeps its tokens; the loss is weighted to stay the mean
             inputs, targets, loss_fn = self.context.split(inputs, targets, loss_fn)
@@ -366,13 +311,33 @@ def logits_of(output: Any) -> Any:
     return logits if torch.is_tensor(logits) else output
 
 
-def stage_plan(plan: dict, whole: nn.Module, stage: nn.Module) -> dict:
-    """``plan`` (patterns over ``whole``'s module names) as concrete names of the modules ``stage``
-    holds, under the stage's names (its block ``k`` is the model's block ``offset + k``)."""
-    names = [(n, stage.global_name(n)) for n, _ in stage.named_modules() if n]
-    out = {}
-    for pattern, style in plan.items():
-        for n, global_name in names:
-            if fnmatch.fnmatchcase(global_name, pattern):
-                out[n] = style
-    return out
+
+@dataclass(frozen=True)
+class BatchRules:
+    """What `minipar.checks.check_batch` checks a batch against under this layout: the vocabulary and
+    block size of the model's config, how many pieces the sequence is cut into (context parallelism's
+    chunks, sequence parallelism's tp slices) and by whom, the pipeline's micro-batches, and whether the
+    inputs must be token ids alone (a pipeline's stages pass nothing else between them)."""
+    vocab_size: int | None
+    block_size: int | None
+    seq_shards: int
+    seq_shards_why: str
+    microbatches: int
+    ids_only_why: str
+
+    @classmethod
+    def of(cls, module: nn.Module, mesh: Mesh, context: ContextParallel | None, sequence_parallel: bool,
+           microbatches: int) -> "BatchRules":
+        config = getattr(module, "config", None)
+        block_size = next((getattr(config, k) for k in ("block_size", "max_position_embeddings", "n_positions")
+                           if isinstance(getattr(config, k, None), int)), None)
+        sp = mesh.tp if sequence_parallel else 1  # each tp rank holds a slice of (its cp rank's) sequence
+        cp = context.seq_multiple if context is not None else 1
+        why = " and ".join(([f"{cp} chunks for context_parallel={context.form!r} at cp={mesh.cp}"] if cp > 1 else [])
+                           + ([f"tp={mesh.tp} shards for sequence parallelism"] if sp > 1 else []))
+        return cls(getattr(config, "vocab_size", None), block_size, math.lcm(cp, mesh.cp * sp), why, microbatches,
+                   f"pipeline parallelism (pp={mesh.pp})" if mesh.pp > 1 else "")
+
+    def check_batch_args(self) -> dict:
+        return {"vocab_size": self.vocab_size, "block_size": self.block_size, "microbatches": self.microbatches,
+                "seq_shards": self.seq_shards, "seq_shards_why": self.seq_shards_why, "ids_only_why": self.ids_only_why}

@@ -290,10 +290,3 @@ class MoELayer(nn.Module):
 
 def moe_layers(module: nn.Module) -> list[MoELayer]:
     return [m for m in module.modules() if isinstance(m, MoELayer)]
-
-
-def shard_experts(module: nn.Module, mesh) -> None:
-    """Make every MoE layer of ``module`` expert-parallel over ``mesh``'s ep axis."""
-    group = mesh.group("ep")
-    for layer in moe_layers(module):
-        layer.shard_experts(mesh.comm, group)
