@@ -12,6 +12,10 @@ parallel model computes what the original did:
                       all-reduce backward; all-gather / reduce-scatter under sequence parallelism), so the
                       colwise_in_region layers inside it (q, k, v) share one collective instead of three
     "rowwise"         RowParallelLinear, input already split, output summed
+    "rowwise_scatter" RowParallelLinear whose input is replicated: each rank takes its slice of the
+                      input features (no sequence parallelism: there the input is a sequence shard)
+    "partial_grad"    keep this module whole on every rank, but sum its parameters' gradients over tp:
+                      it sees only this rank's part (a per-head norm after a colwise projection)
     "vocab"           VocabParallelEmbedding
     SequenceShard(d)  keep this module, but (under sequence parallelism) split its output along dim d
                       over tp, e.g. a position embedding added to sequence-split activations
@@ -38,7 +42,9 @@ from .rng import TPRandom
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, enter_region, \
     mark_sequence_parallel
 
-STYLES = ("colwise", "colwise_gather", "colwise_in_region", "rowwise", "vocab", "enter_region")
+STYLES = ("colwise", "colwise_gather", "colwise_in_region", "rowwise", "rowwise_scatter", "vocab", "enter_region",
+          "partial_grad")
+_KEPT = ("enter_region", "partial_grad")  # styles that keep their module and add hooks
 _NORMS = (nn.LayerNorm,) + ((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ())
 
 
@@ -107,7 +113,7 @@ def parallelize(module: nn.Module, mesh: Mesh, plan: dict[str, object], sequence
     shared: dict[int, nn.Parameter] = {}  # id(original weight) -> its shard, so tied weights stay tied
     swaps = []
     for name, style in targets:
-        if style == "enter_region" or isinstance(style, SequenceShard):
+        if style in _KEPT or isinstance(style, SequenceShard):
             continue  # hooks, added below
         parent_name, _, child = name.rpartition(".")
         parent = module.get_submodule(parent_name) if parent_name else module
@@ -127,6 +133,9 @@ def parallelize(module: nn.Module, mesh: Mesh, plan: dict[str, object], sequence
             m = module.get_submodule(name)
             m.register_forward_pre_hook(_enter_region_hook(mesh, sequence_parallel), with_kwargs=True)
             m.register_forward_hook(lambda mod, args, output: setattr(mod, "_minipar_in_region", False))
+        elif style == "partial_grad":
+            for p in module.get_submodule(name).parameters():
+                mark_sequence_parallel(p, mesh)  # replicated over tp, its gradient summed over tp
         elif isinstance(style, SequenceShard) and sequence_parallel:
             # a hook, not a wrapper: parameter names stay as they were
             module.get_submodule(name).register_forward_hook(_split_output_hook(mesh, style.dim))
@@ -175,13 +184,13 @@ def check_plan(module: nn.Module, plan: dict[str, object], tp: int) -> tuple[lis
     _check_heads(module, targets, tp)
     split: dict[int, tuple[int, str]] = {}  # id(weight) -> (the dim the plan splits it along, who)
     for name, style in targets:
-        if style == "enter_region" or isinstance(style, SequenceShard):
+        if style == "partial_grad" and not any(True for _ in module.get_submodule(name).parameters()):
+            raise ValueError(f"plan: {name!r} is 'partial_grad' but has no parameters whose gradient to sum")
+        if style in _KEPT or isinstance(style, SequenceShard):
             continue
         old = module.get_submodule(name)
-        want = nn.Embedding if style == "vocab" else nn.Linear
-        if not isinstance(old, want):
-            raise ValueError(f"plan style {style!r} needs an nn.{want.__name__}, but {name!r} is {type(old).__name__}")
-        dim = 1 if style == "rowwise" else 0
+        _check_replaceable(name, old, style)
+        dim = 1 if style in ("rowwise", "rowwise_scatter") else 0
         if old.weight.shape[dim] % tp:
             raise ValueError(f"{name}: size {old.weight.shape[dim]} along dim {dim} is not divisible by tp={tp}; "
                              "use a tp that divides it, or leave this module out of the plan")
@@ -196,6 +205,26 @@ def check_plan(module: nn.Module, plan: dict[str, object], tp: int) -> tuple[lis
                 raise ValueError(f"{n!r} shares a weight with {split[id(p)][1]!r}, which the plan shards, but "
                                  f"{n!r} is not in the plan: give it a compatible style too (or untie them)")
     return targets, region_of
+
+
+def _check_replaceable(name: str, old: nn.Module, style: str) -> None:
+    """``old`` must be a plain nn.Linear (nn.Embedding for 'vocab'): minipar's parallel layer replaces it,
+    so a subclass's own forward (a scaled embedding) would be dropped, and the model would train silently
+    differently; transformers' Conv1D (GPT-2) is a Linear stored transposed whose c_attn fuses q, k, v."""
+    want = nn.Embedding if style == "vocab" else nn.Linear
+    kind = type(old).__name__
+    if kind == "Conv1D" and not isinstance(old, want):
+        raise ValueError(f"plan: {name!r} is transformers' Conv1D (GPT-2's projections: an nn.Linear stored "
+                         "transposed, weight (in, out)), which minipar's tensor-parallel layers do not take; GPT-2's "
+                         "c_attn also fuses q, k and v in one matrix, which a contiguous column split would cut "
+                         "across q/k/v. Train it with tp=1 (data, ZeRO and pipeline parallelism take it), or use a "
+                         "model with separate nn.Linear projections (Llama, Mistral, Qwen; minipar.models.GPT)")
+    if not isinstance(old, want):
+        raise ValueError(f"plan style {style!r} needs an nn.{want.__name__}, but {name!r} is {kind}")
+    if type(old).forward is not want.forward:
+        raise ValueError(f"plan: {name!r} is {kind}, an nn.{want.__name__} with its own forward, which the "
+                         f"tensor-parallel layer replacing it would drop (the model would compute something "
+                         f"else); leave {name!r} out of the plan (and what shares its weight)")
 
 
 def _check_heads(module: nn.Module, targets: list[tuple[str, object]], tp: int) -> None:
@@ -219,7 +248,11 @@ def _check_heads(module: nn.Module, targets: list[tuple[str, object]], tp: int) 
 def _convert(old: nn.Module, style: str, mesh: Mesh, sequence_parallel: bool, name: str) -> nn.Module:
     if style == "vocab":
         return VocabParallelEmbedding(old, mesh, sequence_parallel=sequence_parallel)
-    if style == "rowwise":
-        return RowParallelLinear(old, mesh, input_is_parallel=True, sequence_parallel=sequence_parallel)
+    if style in ("rowwise", "rowwise_scatter"):
+        if style == "rowwise_scatter" and sequence_parallel:
+            raise ValueError(f"plan: {name!r} is 'rowwise_scatter', whose input is replicated, but under sequence "
+                             "parallelism it is a sequence shard; use 'rowwise' after a 'colwise' layer, or "
+                             "sequence_parallel=False")
+        return RowParallelLinear(old, mesh, input_is_parallel=style == "rowwise", sequence_parallel=sequence_parallel)
     return ColumnParallelLinear(old, mesh, gather_output=style == "colwise_gather",
                                 sequence_parallel=sequence_parallel, input_in_region=style == "colwise_in_region")
