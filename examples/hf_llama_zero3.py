@@ -10,9 +10,10 @@ model's own output object passes through `ShardedModule` unchanged, so the loss 
 ``.logits``. Every rank starts from world rank 0's weights, whatever its seed; the losses printed
 with and without ``--tp 2`` agree to float32 rounding (same weights, same global batch).
 
-Hugging Face models have no ``tp_plan()`` minipar knows, so ``--tp 2`` passes one over the Llama's
-module names (the same plan tests/test_pipeline_hf.py proves equal to one process). Needs
-``transformers`` (the ``test`` extra).
+``--tp 2`` passes an explicit plan over the Llama's module names, the way to write one for any
+model (the plan tests/test_pipeline_hf.py proves equal to one process); without ``tp_plan=`` minipar
+would translate the model's own ``config`` plan (tensor_parallel/hf_plan.py). Needs ``transformers``
+(the ``test`` extra).
 """
 
 from __future__ import annotations
