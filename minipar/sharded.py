@@ -122,6 +122,8 @@ class ShardedModule(nn.Module):
         self.module = module.to(mesh.device)
         if plan is not None:
             parallelize(self.module, mesh, plan, sequence_parallel=sp, dropout_seed=tp_config.dropout_seed)
+        if cut is not None:  # the last stage's tied LM head says whose copy it is (norms, checkpoints)
+            cut.mark_replicas(self.module)
         self._moe_sequence_parallel = apply_experts(self.module, mesh, sp) if experts else False
         self.checkpointed = checkpoint_modules(self.module, activation_checkpointing, mesh.device) \
             if activation_checkpointing is not False else []
@@ -240,9 +242,7 @@ class ShardedModule(nn.Module):
         if self._join is not None:
             self._join.record("clip", max_norm, norm_type)
         self.strategy.unscale_()  # reduced and, in fp16, the loss scale divided out
-        last_tied_copy = self.module.tied_weight() if self.pipeline is not None and self.module.last \
-            and not self.module.first else None
-        return clip_(self.strategy.grad_pieces(), self.mesh, max_norm, norm_type, skip=last_tied_copy)
+        return clip_(self.strategy.grad_pieces(), self.mesh, max_norm, norm_type)
 
     def cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
                       label_smoothing: float = 0.0) -> torch.Tensor:

@@ -49,17 +49,17 @@ class GradPiece:
 
 
 @torch.no_grad()
-def global_grad_norm(pieces: list[GradPiece], mesh: Mesh, norm_type: float = 2.0,
-                     skip: nn.Parameter | None = None) -> torch.Tensor:
-    """The norm of the whole model's gradient, equal on every rank. ``skip``: a parameter whose
-    pieces are not counted (the last pipeline stage's copy of a tied weight: the first stage's counts)."""
+def global_grad_norm(pieces: list[GradPiece], mesh: Mesh, norm_type: float = 2.0) -> torch.Tensor:
+    """The norm of the whole model's gradient, equal on every rank. A replica's pieces
+    (`Placement.replica_of`: the last pipeline stage's copy of a tied weight) are not counted: the
+    original's are."""
     norm_type = float(norm_type)
     inf = math.isinf(norm_type)
     by_slot: dict[int, list[torch.Tensor]] = {}
     for piece in pieces:
-        if piece.param is skip or piece.grad.numel() == 0:
-            continue
         where = placement_of(piece.param)
+        if where.replica_of is not None or piece.grad.numel() == 0:
+            continue
         axis = "dp_shard" if piece.shard_axis in ("dp", "dp_cp") else piece.shard_axis  # the dense slot
         by_slot.setdefault(_SLOTS.index((axis, where.tensor_parallel, where.expert)), []).append(piece.grad)
     parts = torch.zeros(len(_SLOTS), dtype=torch.float32, device=mesh.device)
@@ -82,11 +82,10 @@ def global_grad_norm(pieces: list[GradPiece], mesh: Mesh, norm_type: float = 2.0
 
 
 @torch.no_grad()
-def clip_(pieces: list[GradPiece], mesh: Mesh, max_norm: float, norm_type: float = 2.0,
-          skip: nn.Parameter | None = None) -> torch.Tensor:
+def clip_(pieces: list[GradPiece], mesh: Mesh, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """Scale every piece by min(1, max_norm / (norm + 1e-6)), as ``torch.nn.utils.clip_grad_norm_``;
     returns the norm. A nan norm writes nan into the pieces only (never a shard's padding)."""
-    total = global_grad_norm(pieces, mesh, norm_type, skip)
+    total = global_grad_norm(pieces, mesh, norm_type)
     scale_by_norm_([piece.grad for piece in pieces], total, max_norm)
     return total
 

@@ -14,6 +14,7 @@ import fnmatch
 import torch.nn as nn
 
 from ..core.mesh import Mesh
+from ..core.placement import place
 from .cut_check import check_spec
 from .spec import find, spec_for
 from .stage import Stage, default_boundaries, resolve_boundaries
@@ -57,6 +58,15 @@ class PipelineCut:
         stage = Stage(module, self.mesh.pp_rank, self.mesh.pp, self.boundaries, self.spec,
                       chunks=self.config.chunks, placement=self.config.placement)
         return stage, (stage_plan(plan, module, stage) if plan is not None else None)
+
+    @staticmethod
+    def mark_replicas(stage: Stage) -> None:
+        """On a last stage that is not also the first, the tied weight (the LM head) is a replica of
+        the first stage's embedding: their gradients are summed between the two (`sync_tied_grads`),
+        so norms count it, and checkpoints save it, once, as the embedding. Called on the stage's
+        final parameters (after tensor parallelism replaced its layers)."""
+        if stage.tied and stage.last and not stage.first:
+            place(stage.tied_weight(), replica_of=stage.spec.tied[0])
 
 
 def stage_plan(plan: dict, whole: nn.Module, stage: nn.Module) -> dict:
