@@ -29,6 +29,7 @@ from . import kernels
 from .checks import agree_on_model, broadcast_initial_state, check_batch
 from .context_parallel.context import ContextParallel, check_form
 from .full_state import full_tensors
+from .loss_check import check_loss, vocab_parallel, vocab_split_head
 from .core.grad_norm import clip_
 from .data_parallel.join import Join, scaled
 from .core.mesh import Mesh
@@ -100,6 +101,7 @@ class ShardedModule(nn.Module):
         plan = plan_for(module, mesh.tp, tp_config) if mesh.tp > 1 else None
         if plan is not None:
             check_plan(module, plan, mesh.tp)  # patterns, styles, sizes, ties
+        self._split_head = vocab_split_head(module, plan)  # an LM head whose logits stay split over tp
         self.context = ContextParallel(module, mesh, context_parallel) if mesh.cp > 1 else None
         offload_path_error = check_path(dp_config.offload)  # missing or unwritable: agreed just below
 
@@ -171,6 +173,7 @@ class ShardedModule(nn.Module):
         return self._train_step(inputs, targets, loss_fn)
 
     def _train_step(self, inputs: Any, targets: Any, loss_fn: Callable | None, active: int = 1) -> torch.Tensor | None:
+        check_loss(loss_fn, self._split_head, self.mesh.tp)  # a plain cross-entropy on split logits
         if loss_fn is None and active == 1 and (self.pipeline is not None or self.context is not None or self.mesh.tp > 1):
             raise ValueError("train_step without a loss_fn has the model compute its own loss from the whole "
                              "model's forward, which pipeline, tensor and context parallelism split: pass a "
@@ -244,6 +247,7 @@ class ShardedModule(nn.Module):
         self.strategy.unscale_()  # reduced and, in fp16, the loss scale divided out
         return clip_(self.strategy.grad_pieces(), self.mesh, max_norm, norm_type)
 
+    @vocab_parallel
     def cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
                       label_smoothing: float = 0.0) -> torch.Tensor:
         """Mean token cross-entropy for this layout: vocab-parallel when tp > 1 (the logits stay split).
