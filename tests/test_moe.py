@@ -55,7 +55,7 @@ def test_router_matches_token_by_token_reference(t, e, k, cf, seed):
     logits = torch.randn(t, e, generator=torch.Generator().manual_seed(seed))
     cap = capacity(t, e, k, cf)
     assert cap == math.ceil(cf * t * k / e)
-    expert, weight, keep, aux, z = route(logits, k, cap)
+    expert, weight, keep, aux, z, _ = route(logits, k, cap)
     ref_expert, ref_weight, ref_keep, ref_aux = _route_by_hand(logits, k, cap)
     assert expert.tolist() == ref_expert
     assert keep.tolist() == ref_keep
@@ -81,7 +81,7 @@ def test_dropped_token_passes_through_the_residual_as_zero():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(n_experts=4, top_k=3), "the router supports k = 1 or 2"),
+    (dict(n_experts=4, top_k=0), "top_k=0 must be a positive integer"),
     (dict(n_experts=1, top_k=2), "top_k=2 is larger than the expert count 1"),
     (dict(n_experts=4, top_k=1, capacity_factor=0.0), "capacity_factor=0.0 must be a finite number > 0"),
     (dict(n_experts=4, top_k=1, capacity_factor=-1.0), "capacity_factor=-1.0 must be a finite number > 0"),

@@ -4,14 +4,15 @@ over the mesh's ``ep`` axis, tokens moved to them and back by all-to-all.
 One MoE layer, forward, on one rank of an expert-parallel group of ``P`` ranks
 holding ``E / P`` experts each (expert ``e`` lives on ep rank ``e // (E / P)``)::
 
-    route      logits = x W_g; p = softmax(logits); top-k experts per token, their weights
-               (k = 2: renormalised to sum to 1); capacity C = ceil(cf * T * k / E) slots per
-               expert; assignments beyond C are dropped (zero output for that choice)
+    route      logits = x W_g; scores softmax or sigmoid; top-k experts per token, their weights
+               (`minipar.moe.router`); capacity C = ceil(cf * T * k / E) slots per expert;
+               assignments beyond C are dropped (zero output for that choice), none when cf = None
     permute    kept (token, expert) assignments sorted by expert: x_perm = x[token_of_assignment]
     counts     all-to-all of the per-expert counts, so every rank knows what it will receive
     dispatch   all-to-all of x_perm with uneven splits (rows for ep rank j go to rank j)
     compute    received rows regrouped by local expert; expert j: y = gelu(x W1_j + b1_j) W2_j + b2_j
     combine    the inverse all-to-all; out[t] = sum over t's kept choices of weight * y
+    shared     with S shared experts, out[t] += the dense MLP of width S * d_hidden on x[t]
 
 Backward runs the same exchanges in reverse (the all-to-all's adjoint is the
 all-to-all with the splits swapped, `minipar.core.regions.all_to_all`).
@@ -56,6 +57,14 @@ stage included) without threading a second loss through the model.
 micro-batches sets it to ``1/m``. The last values are in ``layer.last_aux``
 and ``layer.last_z`` for logging.
 
+DeepSeekMoE (docs/moe_deepseek.md): ``n_shared_experts`` dense experts every token passes
+through (one MLP of S times the hidden width, replicated over ep: their gradients are averaged
+over dp like any dense parameter's); fine-grained experts are only arguments (many experts, a
+small ``d_hidden``, a larger ``top_k``); ``gate="sigmoid"``; ``balance="bias"``
+(`minipar.moe.balance`: the layer counts each expert's load, the bias moves after each step);
+``capacity_factor=None`` (dropless: the all-to-all carries exactly the routed rows, its splits
+uneven as always); ``route_limit`` groups out of ``expert_groups`` (node-limited routing).
+
 Expert parameters are placed ``expert=True`` (`minipar.core.placement`): the data-parallel
 strategy averages their gradients over the replicas of the same experts (the
 ``edp`` group) but divides by the whole data-parallel size, because each
@@ -65,67 +74,16 @@ expert-parallel group.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from einops import rearrange
 
 from ..core import regions
 from ..core.placement import place
 from ..kernels import gelu, permute, unpermute
+from .router import capacity, check_moe_config, route
 
-
-def check_moe_config(n_experts: int, k: int, capacity_factor: float, ep: int = 1) -> None:
-    """ValueError, with what to change, for a configuration the layer cannot run."""
-    if not isinstance(n_experts, int) or n_experts < 1:
-        raise ValueError(f"n_experts={n_experts!r} must be a positive integer")
-    if k not in (1, 2):
-        raise ValueError(f"top_k={k!r}: the router supports k = 1 or 2")
-    if k > n_experts:
-        raise ValueError(f"top_k={k} is larger than the expert count {n_experts}: choose k <= n_experts")
-    if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)) or \
-            not 0 < capacity_factor < math.inf:
-        raise ValueError(f"capacity_factor={capacity_factor!r} must be a finite number > 0 (1.0 gives each expert its even "
-                         "share of the assignments; larger drops fewer tokens)")
-    if n_experts % ep:
-        raise ValueError(f"n_experts={n_experts} is not divisible by ep={ep}: every expert-parallel rank "
-                         f"holds n_experts / ep experts; choose a multiple of {ep}")
-
-
-def capacity(tokens: int, n_experts: int, k: int, capacity_factor: float) -> int:
-    """Slots per expert for one routing group: ceil(cf * tokens * k / experts)."""
-    return math.ceil(capacity_factor * tokens * k / n_experts)
-
-
-def route(logits: torch.Tensor, k: int, cap: int):
-    """Top-k routing of one group with capacity.
-
-    logits: (T, E) router logits (fp32). Returns
-
-        expert  (T*k,) chosen expert of each assignment, choice-major: row c*T + t is token t's c-th choice
-        weight  (T*k,) its combine weight (k = 2: the two weights renormalised to sum to 1)
-        keep    (T*k,) bool, False where the expert's capacity was exhausted
-        aux     load-balancing loss E * sum_e f_e P_e
-        z       router z-loss mean_t logsumexp(logits_t)^2
-    """
-    n_tokens, n_experts = logits.shape
-    probs = logits.softmax(dim=-1)
-    top_w, top_e = probs.topk(k, dim=-1)                     # (T, k)
-    if k > 1:
-        top_w = top_w / top_w.sum(dim=-1, keepdim=True)
-    expert = top_e.t().reshape(-1)                           # choice-major priority
-    weight = top_w.t().reshape(-1)
-    one_hot = F.one_hot(expert, n_experts)                   # (T*k, E)
-    # Position of each assignment in its expert's queue: earlier assignments (first choices, then
-    # lower token index) take the slots first.
-    position = (one_hot.cumsum(dim=0) - 1).gather(1, expert[:, None])[:, 0]
-    keep = position < cap
-    share = one_hot.float().mean(dim=0)                      # f_e, before drops
-    aux = n_experts * (share * probs.mean(dim=0)).sum() if n_tokens else logits.sum()  # no tokens: 0, not nan
-    z = logits.logsumexp(dim=-1).pow(2).mean() if n_tokens else logits.sum()
-    return expert, weight, keep, aux, z
+__all__ = ["MoELayer", "SharedExperts", "check_moe_config", "moe_layers"]
 
 
 class _AddAuxLoss(torch.autograd.Function):
@@ -149,22 +107,35 @@ class MoELayer(nn.Module):
 
     Args:
         d_model: width of the tokens; d_hidden: each expert's hidden width.
-        n_experts: total expert count E; top_k: 1 or 2.
-        capacity_factor: > 0; slots per expert are ceil(cf * T * k / E).
+        n_experts: total expert count E; top_k: any k <= E.
+        capacity_factor: > 0, slots per expert are ceil(cf * T * k / E); None: dropless.
         aux_loss_coef, z_loss_coef: weights of the load-balancing loss and the router z-loss.
         seed: initialisation from its own generator (equal weights on every rank).
+        n_shared_experts: S dense experts every token passes through (one MLP, hidden S * d_hidden).
+        gate: "softmax" or "sigmoid" scores; route_scale multiplies the combine weights.
+        balance: "aux" (the loss) or "bias" (`minipar.moe.balance`, with aux_loss_coef = 0),
+            the bias moving by bias_update_rate per step.
+        expert_groups, route_limit: each token's experts come from at most route_limit of the
+            expert_groups blocks of consecutive experts (set expert_groups to ep, or to the nodes).
 
     The weights are stacked over experts, ``w1: (E, d_model, d_hidden)`` and so on; under
     expert parallelism this rank holds ``E / ep`` of them (`shard_experts`).
     """
 
     def __init__(self, d_model: int, d_hidden: int, n_experts: int, top_k: int = 2,
-                 capacity_factor: float = 1.25, aux_loss_coef: float = 0.01, z_loss_coef: float = 0.0,
-                 seed: int = 0) -> None:
+                 capacity_factor: float | None = 1.25, aux_loss_coef: float = 0.01, z_loss_coef: float = 0.0,
+                 seed: int = 0, *, n_shared_experts: int = 0, gate: str = "softmax", route_scale: float = 1.0,
+                 balance: str = "aux", bias_update_rate: float = 1e-3, expert_groups: int = 1,
+                 route_limit: int | None = None) -> None:
         super().__init__()
-        check_moe_config(n_experts, top_k, capacity_factor)
+        self.options = dict(gate=gate, balance=balance, aux_loss_coef=aux_loss_coef, route_scale=route_scale,
+                            bias_update_rate=bias_update_rate, expert_groups=expert_groups,
+                            route_limit=route_limit, n_shared_experts=n_shared_experts)
+        check_moe_config(n_experts, top_k, capacity_factor, **self.options)
         self.n_experts, self.top_k, self.capacity_factor = n_experts, top_k, capacity_factor
         self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
+        self.score, self.route_scale, self.balance = gate, route_scale, balance
+        self.bias_update_rate, self.expert_groups, self.route_limit = bias_update_rate, expert_groups, route_limit
         self.gate = nn.Linear(d_model, n_experts, bias=False)
         self.w1 = nn.Parameter(torch.empty(n_experts, d_model, d_hidden))
         self.b1 = nn.Parameter(torch.zeros(n_experts, d_hidden))
@@ -176,6 +147,12 @@ class MoELayer(nn.Module):
         with torch.no_grad():
             for p in (self.gate.weight, self.w1, self.w2):
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+        # Drawn after the routed experts, so a layer without shared experts is initialised as before.
+        self.shared = SharedExperts(d_model, n_shared_experts * d_hidden, gen) if n_shared_experts else None
+        if balance == "bias":  # a persistent buffer: checkpoints and full_state_dict carry it
+            self.register_buffer("expert_bias", torch.zeros(n_experts))
+        self.load = torch.zeros(n_experts, dtype=torch.float64)  # assignments per expert since the bias moved
+        self.load_groups: list = []    # the axes whose ranks route other tokens (`apply_experts`)
         self.route_groups = 1          # > 1 only in a single-process reference of several ranks
         self.route_seq_chunks = 1      # the same, for ranks that hold slices of the sequence
         self.route_seq_order = None    # the same, for cp ranks holding zig-zag chunks: the positions in rank order
@@ -193,7 +170,7 @@ class MoELayer(nn.Module):
 
     def shard_experts(self, comm, ep_group) -> None:
         """Keep only this ep rank's experts (a contiguous block of E / ep) and route through ``ep_group``."""
-        check_moe_config(self.n_experts, self.top_k, self.capacity_factor, ep_group.size)
+        check_moe_config(self.n_experts, self.top_k, self.capacity_factor, ep_group.size, **self.options)
         n_local = self.n_experts // ep_group.size
         lo = ep_group.rank * n_local
         for name in ("w1", "b1", "w2", "b2"):
@@ -233,13 +210,19 @@ class MoELayer(nn.Module):
             extra = self.aux_loss_coef * aux + self.z_loss_coef * z
             out = _AddAuxLoss.apply(out, extra, self.aux_scale / self.sequence_shards)
         out = out.reshape(shape)
+        if self.shared is not None:  # every token, whatever its routing (and with its own gradient)
+            out = out + self.shared(x)
         return out if order is None else out.index_select(1, order.argsort())
 
     def _forward_group(self, x: torch.Tensor):
         n_tokens = x.shape[0]
         logits = self.gate(x).float()
         cap = capacity(n_tokens, self.n_experts, self.top_k, self.capacity_factor)
-        expert, weight, keep, aux, z = route(logits, self.top_k, cap)
+        expert, weight, keep, aux, z, load = route(
+            logits, self.top_k, cap, gate=self.score, bias=getattr(self, "expert_bias", None),
+            expert_groups=self.expert_groups, route_limit=self.route_limit, route_scale=self.route_scale)
+        if self.training and self.balance == "bias":  # evaluation and probing forwards do not count
+            self.load = self.load.to(load.device) + load
         token = torch.arange(n_tokens, device=x.device).repeat(self.top_k)
         kept = keep.nonzero()[:, 0]
         # Sort the kept assignments by expert (stable: queue order within an expert).
@@ -286,6 +269,23 @@ class MoELayer(nn.Module):
             h = gelu(torch.addmm(self.b1[j], rows, self.w1[j]))
             outs.append(torch.addmm(self.b2[j], h, self.w2[j]))
         return torch.cat(outs)
+
+
+class SharedExperts(nn.Module):
+    """S shared experts as one GELU MLP of hidden width S * d_hidden (the same function as S
+    separate experts whose outputs are summed): x (..., d) -> (..., d)."""
+
+    def __init__(self, d_model: int, d_hidden: int, gen: torch.Generator) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d_model, d_hidden)
+        self.proj = nn.Linear(d_hidden, d_model)
+        with torch.no_grad():
+            for lin in (self.fc, self.proj):
+                lin.weight.copy_(torch.randn(lin.weight.shape, generator=gen) * 0.02)
+                lin.bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(gelu(self.fc(x)))
 
 
 def moe_layers(module: nn.Module) -> list[MoELayer]:
