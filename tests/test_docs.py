@@ -51,7 +51,7 @@ def test_the_readme_has_a_first_example_that_runs():
     assert any(page == "README.md" for page, _, _ in _blocks()), "README.md lost its <!-- runs --> example"
 
 
-@pytest.mark.parametrize("page, line, code", _blocks(), ids=lambda v: v if isinstance(v, str) and v.endswith(".md") else None)
+@pytest.mark.parametrize("page, line, code", _blocks(), ids=[f"{page}:{line}" for page, line, _ in _blocks()])
 def test_a_marked_code_block_runs_as_written(tmp_path, page, line, code):
     script = tmp_path / "block.py"
     script.write_text(code)
