@@ -299,13 +299,12 @@ def _prepare(path: Path, model, optimizer, slots: list[Slot], all_params: dict, 
         owners[id(s.owner)].append(s)
     new_owner, new_state, hyper_of, group_of = {}, {}, {}, {}
     for group in owners.values():
-        owner = group[0].owner
+        owner, filled = group[0].owner, [s for s in group if s.hi > s.lo]
         flat = owner.detach().reshape(-1).clone()
-        for s in group:
-            if s.hi > s.lo:
-                flat[s.at:s.at + s.hi - s.lo] = values[id(s.param)]
-        new_owner[id(owner)] = (owner, flat)
-        filled = [s for s in group if s.hi > s.lo]
+        for s in filled:
+            flat[s.at:s.at + s.hi - s.lo] = values[id(s.param)]
+        if filled:  # (a master named only by parameters it holds nothing of may overlap pieces that are written)
+            new_owner[id(owner)] = (owner, flat)
         has = [states[id(s.param)] is not None for s in filled]
         if filled and any(has) and not all(has):
             raise CheckpointError(f"the optimizer has state for {[s.name for s, h in zip(filled, has) if h][:3]} but "

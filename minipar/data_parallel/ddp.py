@@ -221,12 +221,13 @@ class DDP(BucketHooks, Strategy):
         self.sync_grads()
         return {id(p): p.grad for b in self.buckets for p in b.params if p.grad is not None}
 
-    def build_optimizer(self, optimizer_cls: type[torch.optim.Optimizer], **kwargs):
-        """A plain ``optimizer_cls`` over the module's parameters (memory_stats counts its state); one with
-        ``binds_strategy`` (1-bit Adam) also gets ``strategy=self``, to take over the gradient sync."""
+    def build_optimizer(self, optimizer_cls: type[torch.optim.Optimizer], params=None, **kwargs):
+        """A plain ``optimizer_cls`` over ``params`` (the module's parameters or parameter groups, as torch
+        takes them; default: all of them), memory_stats counting its state; one with ``binds_strategy``
+        (1-bit Adam) also gets ``strategy=self``, to take over the gradient sync."""
         if getattr(optimizer_cls, "binds_strategy", False):
             kwargs = {**kwargs, "strategy": self}
-        self.optimizer = optimizer_cls(self.module.parameters(), **kwargs)
+        self.optimizer = optimizer_cls(self.module.parameters() if params is None else params, **kwargs)
         return self.optimizer
 
     def zero_grad(self) -> None:

@@ -195,28 +195,31 @@ def placeholder(n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
 
 class NvmeOptimizer:
     """The step over masters kept in files: the torch optimizer built over the (storage-less)
-    masters keeps the parameter groups and hyperparameters; each chunk of each group is stepped
-    by a second instance of the same class over one chunk-sized parameter, its state read from
-    and written back to the files. Per-element optimizers only (Adam, AdamW, SGD), whose update
-    of an element depends on that element alone: chunking changes nothing.
+    pieces of the masters (`minipar.data_parallel.master_pieces`) keeps the parameter groups and
+    hyperparameters; each chunk of each piece is stepped by a second instance of the same class
+    over one chunk-sized parameter, with the piece's group's options, its state read from and
+    written back to the files (one per master and state, a piece a range of it). Per-element
+    optimizers only (Adam, AdamW, SGD), whose update of an element depends on that element alone:
+    chunking changes nothing.
 
-    Between steps ``optimizer.state[master]`` holds the scalar state (Adam's ``step``); the
+    Between steps ``optimizer.state[piece]`` holds the scalar state (Adam's ``step``); the
     per-element state is in the files, and `load` brings all of it back for checkpoints (`store` ends it).
     """
 
-    def __init__(self, files: DiskFiles, masters: list[nn.Parameter], chunk_elems: int) -> None:
-        self.files, self.masters, self.chunk = files, masters, chunk_elems
+    def __init__(self, files: DiskFiles, masters: list[nn.Parameter], chunk_elems: int, device) -> None:
+        self.files, self.masters, self.chunk, self.device = files, masters, chunk_elems, device
         self.keys: dict[str, torch.dtype] = {}   # per-element state, found by a probe step
-        self.stepped = [False] * len(masters)    # whether a group's state files hold state yet
+        self.pieces: list = []                   # what the optimizer steps (`build`)
+        self.stepped: list[bool] = []            # whether a piece's state files hold state yet
         self.optimizer: torch.optim.Optimizer | None = None
         self.depth = 0                           # nesting of load/store (only the outermost acts)
         self._proxy = nn.Parameter(torch.zeros(1))
         self._chunk_opt: torch.optim.Optimizer | None = None
 
-    def build(self, optimizer: torch.optim.Optimizer) -> None:
+    def build(self, optimizer: torch.optim.Optimizer, pieces: list) -> None:
         """Learn the per-element state of ``optimizer``'s class from one step on a one-element
-        parameter, and reserve its files."""
-        self.optimizer = optimizer
+        parameter, and reserve its files. ``pieces``: `Piece`s (param, index of its master, lo, hi)."""
+        self.optimizer, self.pieces, self.stepped = optimizer, pieces, [False] * len(pieces)
         self.keys = {}
         for group in optimizer.param_groups:  # each group's options (momentum, amsgrad...) may add state
             probe = nn.Parameter(torch.zeros(1))
@@ -230,55 +233,59 @@ class NvmeOptimizer:
                 self.files.create(f"g{gi}.{k}", torch.zeros(m.numel(), dtype=dtype))
         self._chunk_opt = type(optimizer)([self._proxy], **_constructor_kwargs(optimizer))
 
-    def step(self, grads: list[torch.Tensor], write_shard, traffic: OffloadTraffic, device) -> None:
-        """Step every group chunk by chunk: ``grads[i]`` (the reduced fp32-castable gradient of
+    def step(self, grads: list[torch.Tensor], write_shard, traffic: OffloadTraffic) -> None:
+        """Step every piece chunk by chunk: ``grads[i]`` (the reduced fp32-castable gradient of
         master i, anywhere) in, ``write_shard(i, lo, fp32 values)`` called with each new chunk."""
         opt, chunk_opt = self.optimizer, self._chunk_opt
-        jobs = [(gi, lo, min(lo + self.chunk, m.numel())) for gi, m in enumerate(self.masters)
-                for lo in range(0, m.numel(), self.chunk)]
-        reads = deque([self._read_chunk(*jobs[0], device)] if jobs else [])
-        for j, (gi, lo, hi) in enumerate(jobs):
-            if j + 1 < len(jobs):  # read ahead: the next chunk loads while this one steps
-                reads.append(self._read_chunk(*jobs[j + 1], device))
+        jobs = [(j, lo, min(lo + self.chunk, pc.hi)) for j, pc in enumerate(self.pieces)
+                for lo in range(pc.lo, pc.hi, self.chunk)]
+        reads = deque([self._read_chunk(*jobs[0])] if jobs else [])
+        for n, (j, lo, hi) in enumerate(jobs):
+            if n + 1 < len(jobs):  # read ahead: the next chunk loads while this one steps
+                reads.append(self._read_chunk(*jobs[n + 1]))
             values = {k: _landed(f, self.files, k) for k, f in reads.popleft().items()}
-            m = self.masters[gi]
-            group = next(g for g in opt.param_groups if any(p is m for p in g["params"]))
+            pc = self.pieces[j]
+            group = next(g for g in opt.param_groups if any(p is pc.param for p in g["params"]))
             chunk_opt.param_groups[0].update({k: v for k, v in group.items() if k != "params"})
             self._proxy.data = values.pop("master")
-            grad = grads[gi][lo:hi]
+            grad = grads[pc.index][lo:hi]
             traffic.add("to_host", grad.numel() * grad.element_size())
             self._proxy.grad = grad.to("cpu", torch.float32, copy=True)
-            scalars = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in opt.state.get(m, {}).items()}
-            chunk_opt.state[self._proxy] = {**scalars, **values} if self.stepped[gi] else {}
+            scalars = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in opt.state.get(pc.param, {}).items()}
+            chunk_opt.state[self._proxy] = {**scalars, **values} if self.stepped[j] else {}
             chunk_opt.step()
             new = chunk_opt.state.pop(self._proxy)
-            self.files.write(f"g{gi}.master", lo, self._proxy.data)
+            self.files.write(f"g{pc.index}.master", lo, self._proxy.data)
             for k in self.keys:
-                self.files.write(f"g{gi}.{k}", lo, new[k])
-            write_shard(gi, lo, self._proxy.data)
-            if hi == m.numel():  # the group's last chunk: its scalar state is the group's
-                opt.state[m] = {k: v for k, v in new.items() if k not in self.keys}
-                self.stepped[gi] = True
+                self.files.write(f"g{pc.index}.{k}", lo, new[k])
+            write_shard(pc.index, lo, self._proxy.data)
+            if hi == pc.hi:  # the piece's last chunk: its scalar state is the piece's
+                opt.state[pc.param] = {k: v for k, v in new.items() if k not in self.keys}
+                self.stepped[j] = True
             self.files.wait_writes(keep=2 * (1 + len(self.keys)))  # writes trail by two chunks at most
         self._proxy.data, self._proxy.grad = torch.zeros(1), None
         self.files.wait_writes()
 
-    def _read_chunk(self, gi: int, lo: int, hi: int, device) -> dict[str, Future]:
-        names = ["master"] + (list(self.keys) if self.stepped[gi] else [])
-        return {k: self.files.read(f"g{gi}.{k}", lo, hi - lo, device) for k in names}
+    def _read_chunk(self, j: int, lo: int, hi: int) -> dict[str, Future]:
+        gi = self.pieces[j].index
+        names = ["master"] + (list(self.keys) if self.stepped[j] else [])
+        return {k: self.files.read(f"g{gi}.{k}", lo, hi - lo, self.device) for k in names}
 
     def load(self) -> None:
-        """The masters and the optimizer's per-element state into ordinary host tensors (for a
-        checkpoint, a state dict, the full parameters), until `store`; the strategy's
-        ``offloaded_state`` pairs the two and agrees on failures across ranks."""
+        """The masters (their pieces viewing them) and the optimizer's per-element state into
+        ordinary host tensors (for a checkpoint, a state dict, the full parameters), until `store`;
+        the strategy's ``offloaded_state`` pairs the two and agrees on failures across ranks."""
         self.depth += 1
         self.files.wait_writes()
-        opt = self.optimizer
+        cpu = torch.device("cpu")
         for gi, m in enumerate(self.masters):
-            m.data = self.files.read(f"g{gi}.master", 0, m.numel(), torch.device("cpu")).result()
-            if opt is not None and self.stepped[gi]:
-                opt.state[m].update({k: self.files.read(f"g{gi}.{k}", 0, m.numel(), torch.device("cpu")).result()
-                                     for k in self.keys})
+            m.data = self.files.read(f"g{gi}.master", 0, m.numel(), cpu).result()
+        for j, pc in enumerate(self.pieces):
+            if pc.param is not self.masters[pc.index]:
+                pc.param.data = self.masters[pc.index].data[pc.lo:pc.hi]
+            if self.stepped[j]:
+                self.optimizer.state[pc.param].update(
+                    {k: self.files.read(f"g{pc.index}.{k}", pc.lo, pc.hi - pc.lo, cpu).result() for k in self.keys})
 
     def store(self, write_back: bool) -> None:
         """End `load`: with ``write_back``, what the tensors hold now goes to the files; then they
@@ -286,21 +293,23 @@ class NvmeOptimizer:
         self.depth -= 1
         opt = self.optimizer
         try:
-            for gi, m in enumerate(self.masters):
-                state = opt.state.get(m, {}) if opt is not None else {}
-                if write_back:
+            if write_back:
+                for gi, m in enumerate(self.masters):
                     self.files.write(f"g{gi}.master", 0, m.data)
+                for j, pc in enumerate(self.pieces):
+                    state = opt.state.get(pc.param, {})
                     for k in self.keys:
                         if k in state:
-                            self.files.write(f"g{gi}.{k}", 0, state[k])
-                    self.stepped[gi] = any(k in state for k in self.keys)
-            if write_back:
+                            self.files.write(f"g{pc.index}.{k}", pc.lo, state[k])
+                    self.stepped[j] = any(k in state for k in self.keys)
                 self.files.wait_writes()
         finally:
-            for m in self.masters:
-                state = opt.state.get(m, {}) if opt is not None else {}
+            for pc in self.pieces:
+                state = opt.state.get(pc.param, {})
                 for k in self.keys:
                     state.pop(k, None)
+                pc.param.data = placeholder(pc.param.numel())
+            for m in self.masters:
                 m.data = placeholder(m.numel())
 
 

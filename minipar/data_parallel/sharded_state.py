@@ -13,8 +13,10 @@ groups (`minipar.data_parallel.flat.FlatLayout`) and hands this module one `Shar
 A step: make sure the gradients are reduced (stage 1 reduces now, 2 and 3 already did in
 backward), divide out the loss scale, agree on overflow across all ranks, step the masters, copy
 them into the compute shards (wherever offload keeps them: `minipar.data_parallel.offload.ShardHomes`), and let
-the stage spread the new parameters (stages 1 and 2 all-gather them). `ShardedOptimizer` is in
-`minipar.data_parallel.sharded_optimizer`.
+the stage spread the new parameters (stages 1 and 2 all-gather them). `ShardedOptimizer`
+(`minipar.data_parallel.sharded_optimizer`) runs it, over pieces of the masters cut along the
+user's parameter groups (`minipar.data_parallel.master_pieces`); without a gradient since
+``zero_grad`` (``has_grads``) there is no step.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from .flat import FlatLayout, ShardGroup
 from ..core.grad_norm import GradPiece
 from ..core.mesh import Mesh
 from .offload import DiskFiles, NvmeOptimizer, Offload, OffloadError, ShardHomes, agree
+from .optimizer_guard import guard_params
 from .sharded_optimizer import ShardedOptimizer
 from ..core.placement import placement_of
 from .precision import LossScaler, MixedPrecision
@@ -81,14 +84,16 @@ class ShardedState(Strategy):
         self.traffic = self.homes.traffic
         self.files: DiskFiles | None = None
         self.nvme: NvmeOptimizer | None = None
-        self._disk_error: str | None = None
         self.scaler = LossScaler(policy.init_scale, policy.growth_interval, policy.uses_loss_scaling)
         self.groups: list[ShardGroup] = []
         self._sync = True  # False inside no_sync with local accumulation
         self.grad_state = GradState.EMPTY
         self.optimizer: Any = None  # the `ShardedOptimizer`, once built
         self._found_inf = False
-        self._shards_written = False  # the fused step wrote the compute shards already
+        self.shards_written = False  # the step wrote the compute shards already (fused, nvme)
+        self.disk_error: str | None = None  # the nvme step's failure, raised on every rank by finish_step
+        self.has_grads = False  # a backward since zero_grad gave gradients: else the step changes nothing
+        self.param_names: dict[int, str] = {}  # id(param) -> its name in the wrapped module (messages)
 
     def shard_axes(self, params: list[nn.Parameter]) -> list[tuple[list[nn.Parameter], AxisGroup]]:
         """``params`` split by the axis their flat groups shard over, each kept in the order given:
@@ -167,57 +172,7 @@ class ShardedState(Strategy):
         return [GradPiece(p, g.grad_shard[a:b], g.axis.name) for g in self.groups
                 for p, a, b in g.layout.local_pieces()]
 
-    # -- the step --------------------------------------------------------------
-
-    def prepare_step(self) -> bool:
-        """Gradients into the masters; True if the step must be skipped (overflow on some rank)."""
-        if self.unscale_():
-            return True
-        for g in self.groups:
-            grad = g.real_grad
-            if self.offload is not None:  # the gradient shard goes to the host, where the masters are
-                self.traffic.add("to_host", grad.numel() * grad.element_size())
-            if grad.dtype != torch.float32 or grad.device != g.master.device:
-                grad = grad.to(g.master.device, torch.float32)
-            g.master.grad = grad
-        return False
-
-    def can_fuse(self, optimizer: torch.optim.Optimizer) -> bool:
-        """The fused AdamW kernel can step ``optimizer`` over the masters: Adam/AdamW that it
-        supports, masters on a device where the dispatch rule picks Triton, gradients beside them
-        (never under offload: its step runs on the host, where the transfers are counted)."""
-        return self.offload is None and kernels.adamw_supports(optimizer) and all(
-            kernels.use_triton(g.master) and g.grad_shard.device == g.master.device for g in self.groups)
-
-    @torch.no_grad()
-    def fused_step(self, optimizer: torch.optim.Optimizer) -> bool:
-        """One pass per group (``minipar.kernels.adamw``): read the reduced gradient in its own dtype
-        (no fp32 copy), update master and moments, write the compute-dtype shard. False: skipped
-        (overflow on some rank)."""
-        if self.unscale_():
-            return False
-        grads, outs = {}, {}
-        for g in self.groups:
-            grads[id(g.master)] = g.real_grad
-            if not self.master_is_shard(g):
-                outs[id(g.master)] = g.shard[:g.layout.real_len]
-        kernels.fused_step(optimizer, outs, grads)
-        self._shards_written = True
-        return True
-
-    @torch.no_grad()
-    def nvme_step(self) -> bool:
-        """The step with the optimizer state in files (`minipar.data_parallel.offload.NvmeOptimizer`): chunk by
-        chunk, each new chunk written into the compute shards. False: skipped (overflow)."""
-        if self.unscale_():
-            return False
-        try:
-            write = lambda i, lo, values: self.homes.write_shard(self.groups[i], i, lo, values)  # noqa: E731
-            self.nvme.step([g.real_grad for g in self.groups], write, self.traffic, self.mesh.device)
-        except OffloadError as e:
-            self._disk_error = str(e)  # raised on every rank by finish_step, which every rank reaches
-        self._shards_written = True
-        return True
+    # -- the step (`ShardedOptimizer` runs it) ----------------------------------
 
     @torch.no_grad()
     def finish_step(self, skipped: bool) -> None:
@@ -225,7 +180,7 @@ class ShardedState(Strategy):
         self.grad_state = GradState.REDUCED  # until zero_grad, the shards keep this step's gradients
         for g in self.groups:
             g.master.grad = None  # an fp32 copy of the gradient shard, needed only inside the step
-        written, self._shards_written = self._shards_written, False
+        written, self.shards_written = self.shards_written, False
         if not skipped and not written:
             for i, g in enumerate(self.groups):
                 if not self.master_is_shard(g):
@@ -243,13 +198,16 @@ class ShardedState(Strategy):
 
     def _agree_on_disk(self) -> None:
         """Every write of this step landed on every rank, or `OffloadError` on every rank."""
-        error, self._disk_error = self._disk_error, None  # (nvme_step's, if it failed)
+        error, self.disk_error = self.disk_error, None  # (the nvme step's, if it failed)
         self._agree_io(lambda: self.files.wait_writes() if error is None else _raise(OffloadError(error)),
                        "the offloaded state could not be read or written")
 
-    def offload_setup(self) -> None:
-        """Once the stage made its groups: send the masters (and zero3's shards) to their offload
-        homes, reserving the files; ValueError on every rank if any rank cannot."""
+    def finish_setup(self, module: nn.Module) -> None:
+        """Once the stage made its groups: refuse plain torch optimizers over the parameters
+        (`minipar.data_parallel.optimizer_guard`), then send the masters (and zero3's shards) to their
+        offload homes, reserving the files; ValueError on every rank if any rank cannot."""
+        self.param_names = {id(p): n for n, p in module.named_parameters()}
+        guard_params(self, [p for g in self.groups for p in g.layout.params], f"zero{self.stage}")
         off = self.offload
         if off is None:
             return
@@ -264,7 +222,7 @@ class ShardedState(Strategy):
         elif error is not None:
             raise ValueError(error)
         if off.optimizer == "nvme":
-            self.nvme = NvmeOptimizer(self.files, [g.master for g in self.groups], off.chunk_elems)
+            self.nvme = NvmeOptimizer(self.files, [g.master for g in self.groups], off.chunk_elems, self.mesh.device)
 
     @contextlib.contextmanager
     def offloaded_state(self, write_back: bool = False) -> Iterator[None]:
@@ -314,9 +272,13 @@ class ShardedState(Strategy):
             if g.grad_shard is not None:
                 g.grad_shard.zero_()
         self.grad_state = GradState.EMPTY
+        self.has_grads = False
 
-    def build_optimizer(self, optimizer_cls: type[torch.optim.Optimizer], **kwargs) -> Any:
-        return ShardedOptimizer(self, optimizer_cls, **kwargs)
+    def build_optimizer(self, optimizer_cls: type[torch.optim.Optimizer], params: Any = None,
+                        **kwargs: Any) -> ShardedOptimizer:
+        """``optimizer_cls`` over this rank's pieces of the masters; ``params``: the model's parameters or
+        parameter groups as torch takes them (default: one group of all), `ShardedOptimizer`."""
+        return ShardedOptimizer(self, optimizer_cls, params, **kwargs)
 
     @torch.no_grad()
     def refresh_params(self) -> None:
@@ -363,13 +325,24 @@ class ShardedState(Strategy):
         return self._gather([g.real_grad for g in self.groups])
 
     def stepped_ranges(self) -> dict[int, tuple[torch.Tensor, int, int, int, bool]]:
+        """Each parameter's range in the tensor the optimizer steps: its master, or the piece of it
+        that holds the parameter's group (`minipar.data_parallel.master_pieces`)."""
+        pieces = [[] for _ in self.groups]
+        for pc in self.optimizer.pieces if self.optimizer is not None else []:
+            pieces[pc.index].append(pc)
         out = {}
-        for g in self.groups:
+        for i, g in enumerate(self.groups):
             lay, off = g.layout, 0
             primary = g.replicas is None or g.replicas.rank == 0
             for p in lay.params:
                 a, b = max(off, lay.lo), min(off + p.numel(), lay.lo + lay.real_len)
-                out[id(p)] = (g.master, a - lay.lo, a - off, b - off, primary) if a < b else (g.master, 0, 0, 0, primary)
+                if a < b:
+                    at = a - lay.lo
+                    pc = next((pc for pc in pieces[i] if pc.lo <= at < pc.hi), None)
+                    owner, at = (g.master, at) if pc is None else (pc.param, at - pc.lo)
+                    out[id(p)] = (owner, at, a - off, b - off, primary)
+                else:
+                    out[id(p)] = (g.master, 0, 0, 0, primary)
                 off += p.numel()
         return out
 

@@ -72,12 +72,13 @@ class _BucketedShards(BucketHooks, ShardedState):
                            for bucket in bucket_params(params, cap)])
         self.buckets = self._make_buckets()
         self._hook_buckets(self.comm, window=2)  # at most two launched staging buffers wait to land
-        self.offload_setup()  # (collective: every rank reserves its offload files, or all raise)
+        self.finish_setup(module)  # (collective: every rank reserves its offload files, or all raise)
 
     def _keeps_local(self, bucket, i: int) -> bool:
         # A no_sync backward leaves gradients in p.grad that the shards do not hold; a synchronising
         # one reduces them all (hooks, then _add_unreported_grads), once its buckets have landed.
         self.grad_state = GradState.REDUCED if self._sync else GradState.LOCAL
+        self.has_grads = True
         return not self._sync
 
     def _add_unreported_grads(self) -> None:
@@ -226,6 +227,7 @@ class Zero1(_BucketedShards):
             for p in b.group.layout.params:
                 p.grad = None
         self.grad_state = GradState.EMPTY
+        self.has_grads = False
 
     def grad_tensors(self) -> list[torch.Tensor]:
         return [p.grad for g in self.groups for p in g.layout.params] + [b.flat for b in self.buckets]

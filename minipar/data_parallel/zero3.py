@@ -170,7 +170,7 @@ class Zero3(ShardedState):
         self._hooks.append(module.register_forward_pre_hook(self._root_pre_forward))
         self._hooks.append(module.register_forward_hook(self._root_post_forward))
         self._root = next((u for u in self.units if u.is_root), None)
-        self.offload_setup()  # (collective: every rank reserves its offload files, or all raise)
+        self.finish_setup(module)  # (collective: every rank reserves its offload files, or all raise)
 
     def _make_part(self, params: list[nn.Parameter], axis, device) -> Part:
         lay = FlatLayout.of(params, axis.size, axis.rank)
@@ -304,9 +304,9 @@ class Zero3(ShardedState):
             self = owner(strategy, p)
             if self is None:  # stale: the model was wrapped again
                 return
-            u = self.units[k]
-            part = u.parts[j]
+            u, part = self.units[k], self.units[k].parts[j]
             self.end_of_backward.arm()
+            self.has_grads = True
             u.received += 1
             if self._sync:
                 part.grads.take(i)
