@@ -21,6 +21,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md"))]
 EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
+# (script, its arguments): each example as the README runs it; under HYPOTHESIS_PROFILE=long also the
+# Llama with tensor parallelism (4 processes: too heavy for every CI run on 2 cores)
+EXAMPLE_RUNS = [(p, []) for p in EXAMPLES] + (
+    [(ROOT / "examples" / "hf_llama_zero3.py", ["--tp", "2"])] if os.environ.get("HYPOTHESIS_PROFILE") == "long" else [])
 TIMEOUT = 300  # seconds; a loaded CI machine starting several processes may take a minute
 
 RUNS = re.compile(r"^<!-- runs -->\n```python\n(.*?)^```", re.S | re.M)
@@ -63,12 +67,12 @@ def _progress(stdout: str) -> list[str]:
     return [line for line in stdout.splitlines() if re.search(r"step \d+/\d+ .*loss [\d.]+.*ETA [\d.]+s", line)]
 
 
-@pytest.mark.parametrize("script", EXAMPLES, ids=lambda p: p.name)
-def test_an_example_runs_and_prints_its_progress(tmp_path, script):
+@pytest.mark.parametrize("script, args", EXAMPLE_RUNS, ids=[" ".join([p.name, *a]) for p, a in EXAMPLE_RUNS])
+def test_an_example_runs_and_prints_its_progress(tmp_path, script, args):
     if script.name.startswith("hf_") and importlib.util.find_spec("transformers") is None:
         print(f"{script.name} needs transformers (pip install -e '.[test]'); not run")  # the reason, printed
         pytest.skip("transformers is not installed: pip install -e '.[test]'")
-    out = _run([str(script)], tmp_path)
+    out = _run([str(script), *args], tmp_path)
     assert out.returncode == 0, f"{script.name}:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
     assert _progress(out.stdout), f"{script.name} printed no 'step i/n ... loss ... ETA' line:\n{out.stdout}"
     if script.name == "resume_from_checkpoint.py":
