@@ -17,8 +17,9 @@ an abort deep in a collective, a silently wrong model, or a lost or torn checkpo
   rank and the scale halves (the parameters stay as they were, and the next step trains); in fp32
   every rank ends with the NaN parameters one process would have, bitwise the same everywhere.
 * A user's code that fails on some ranks only: a parameter server's worker whose step raises (every
-  rank stops at once), a loss function that fails on the last pipeline stage (the others get the
-  named timeout, as README's "What minipar checks for you" promises).
+  rank stops at once); a pipeline stage that fails mid-step (a loss function on the last stage, a
+  forward on the first, with 2 and 4 stages): every stage stops at once, naming the failed stage and
+  its error (`minipar.pipeline.abort`).
 * Checkpoints across schedules and layouts (an interleaved pipeline into ZB-V, ZB-H1 into context
   parallelism; cp and HSDP into plain data parallelism after the kills above).
 
@@ -38,7 +39,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from minipar import (CollectiveError, Mesh, MixedPrecision, Offload, OffloadError, OneBitAdam, ParameterServer,
+from minipar import (Mesh, MixedPrecision, Offload, OffloadError, OneBitAdam, ParameterServer,
                      ShardedModule, checkpoint)
 from minipar.data_parallel import disk as disk_module
 from minipar.models import GPT, GPTConfig, gpt_loss
@@ -263,38 +264,73 @@ def test_a_parameter_server_worker_whose_step_fails_stops_every_rank(pools, mode
         assert next_run == ("served" if rank < servers else "finished"), (rank, next_run)
 
 
-# -- a loss function that fails on the last pipeline stage ------------------------------------------------
+# -- a stage that fails in the middle of a pipeline step ----------------------------------------------------
 
-def _pipeline_loss_fails(ctx):
-    mesh = Mesh(pp=2, timeout=1)  # world 4: each pp group is a group of its own, with this timeout
-    model = ShardedModule(GPT(GPTConfig(**CFG)), mesh=mesh, microbatches=2)
-    x = _data(1)[0]
-    try:
-        model.train_step(x[:, :-1], x[:, 1:], lambda out, y: out.sum(-1))  # not a scalar: the loss fails
-        out = "trained"
-    except CollectiveError as e:
-        out = f"CollectiveError: {e}"
-    except RuntimeError as e:
-        out = f"RuntimeError: {e}"
+# (layout, options, n_layer, what fails): a pp group of its own (dp beside it), so the unmatched messages a
+# failed step leaves go with its mesh's groups and not into the world's channels the pool keeps
+STAGE_FAULTS = {
+    "loss on the last stage, 1f1b": (dict(pp=2), dict(microbatches=2), 2, "loss"),
+    "first stage's second forward, zb_v": (dict(pp=2), dict(schedule="zb_v", microbatches=2), 4, "forward"),
+    "loss on the last of 4 stages, interleaved": (dict(pp=4), dict(schedule="interleaved_1f1b", microbatches=4),
+                                                  8, "loss"),
+}
+STAGE_FAULT_TIMEOUT_S = 60  # the mesh's: every stage must raise well before it
+
+
+def _pipeline_stage_fails(ctx, case: str):
+    import time
+
+    sizes, options, n_layer, what = STAGE_FAULTS[case]
+    mesh = Mesh(**sizes, timeout=STAGE_FAULT_TIMEOUT_S)
+    model = ShardedModule(GPT(GPTConfig(**{**CFG, "n_layer": n_layer})), mesh=mesh, **options)
+    loss_fn = gpt_loss
+    if what == "loss":  # not a scalar: adding it to the step's loss fails, on the last stage only
+        loss_fn = lambda out, y: out.sum(-1)  # noqa: E731
+    elif mesh.pp_rank == 0:  # the first stage's second forward (of any chunk) fails
+        calls = []
+
+        def fail(module, args, out):
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("injected: the first stage's second forward fails")
+        model.module.register_forward_hook(fail)
+    x = _data(1, rows=4)[0]
+    said = []
+    for _ in range(2):  # the failing step, then a step the same model refuses
+        start = time.perf_counter()
+        try:
+            model.train_step(x[:, :-1], x[:, 1:], loss_fn)
+            said.append(("trained", 0.0))
+        except Exception as e:
+            said.append((f"{type(e).__name__}: {e}", time.perf_counter() - start))
     mesh.destroy()
     ones = torch.ones(1)
     dist.all_reduce(ones)
-    return out, ones.item()
+    return said, mesh.pp_rank, ones.item()
 
 
-def test_a_loss_that_fails_on_the_last_stage_ends_in_the_named_timeout(pools):
-    """A user's loss function runs on the last stage only; when it raises there, the first stage
-    waits for a gradient that never comes. What minipar promises then (README, "What minipar checks
-    for you"): the last stage raises the loss's own error at once, the first a CollectiveError naming
-    the receive (op, axis, ranks, tag) after the mesh's timeout, never an endless wait; the world
-    still works afterwards."""
-    for rank, (out, world) in enumerate(pools.run(4, _pipeline_loss_fails, timeout=60)):
-        if rank >= 2:  # the last stage
-            assert out.startswith("RuntimeError") and "CollectiveError" not in out, (rank, out)
+@pytest.mark.parametrize("case", list(STAGE_FAULTS))
+def test_a_stage_that_fails_mid_step_stops_every_stage_at_once(pools, case):
+    """A stage raises in the middle of a schedule (a user's loss function on the last stage, a forward
+    on the first): that stage raises its own error, and every other stage a PipelineAborted naming
+    the failed stage, the action and the original error, within seconds (the mesh's timeout is 60 s:
+    before, they waited for it and then named only their own receive). Stages that do not neighbour
+    the failed one (4 stages) hear of it through the ones between. The same model then refuses
+    another step on every rank (its channels hold the failed step's messages); the world still works."""
+    sizes, options, n_layer, what = STAGE_FAULTS[case]
+    world = 2 * sizes["pp"]
+    failed_stage = sizes["pp"] - 1 if what == "loss" else 0
+    original = "RuntimeError" if what == "forward" else "RuntimeError: output with shape"
+    for rank, (said, stage, healthy) in enumerate(pools.run(world, _pipeline_stage_fails, case, timeout=120)):
+        (first, first_s), (second, _) = said
+        if stage == failed_stage:
+            assert first.startswith(original) and "PipelineAborted" not in first, (rank, first)
         else:
-            assert out.startswith("CollectiveError") and "recv over 'pp'" in out and "tag 'pp_grad'" in out, \
-                (rank, out)
-        assert world == 4, rank
+            assert first.startswith("PipelineAborted: ") and f"pipeline stage {failed_stage} " in first, (rank, first)
+            assert "failed at F" in first and original in first, (rank, first)
+        assert first_s < STAGE_FAULT_TIMEOUT_S / 4, f"rank {rank} raised after {first_s:.1f} s: {first}"
+        assert second.startswith("ValueError: an earlier step stopped midway"), (rank, second)
+        assert healthy == world, rank
 
 
 # -- file systems that refuse, fill or fail --------------------------------------------------------------

@@ -22,13 +22,15 @@ import torch
 import torch.nn as nn
 
 from ..core.mesh import AxisGroup, Mesh
+from .abort import PipelineAborted, read_marker, send_markers
 from .schedule import Action, Schedule, holder, virtual_stage
 from .split_backward import WeightGrad, backward_input
 
 
 def run_schedule(stage: nn.Module, schedule: Schedule, mesh: Mesh, inputs: list[torch.Tensor] | None,
                  targets: list[torch.Tensor] | None, loss_fn: Callable, act_shape: tuple, act_dtype: torch.dtype,
-                 timeline: list | None = None, grad_group: AxisGroup | None = None) -> tuple[torch.Tensor, int]:
+                 timeline: list | None = None, grad_group: AxisGroup | None = None,
+                 abandoned: list | None = None) -> tuple[torch.Tensor, int]:
     """Run this rank's actions of ``schedule`` on ``stage`` (a `Stage` with ``schedule.chunks`` chunks).
     Returns (sum of the loss over this rank's micro-batches / m, 0 where the rank holds no last
     piece; the most (micro-batch, chunk) activations this rank held at once).
@@ -42,6 +44,10 @@ def run_schedule(stage: nn.Module, schedule: Schedule, mesh: Mesh, inputs: list[
         pp = 2, ZB-V), while a schedule orders messages only per kind (`simulate` checks FIFO per
         kind); point-to-point messages are matched by order per group (NCCL has no tags), so the
         gradients need a group of their own (`Mesh.twin`).
+    abandoned: where a failed step leaves the sends still in flight (kept alive until they leave).
+
+    An exception here is passed on to the neighbouring stages at once (`minipar.pipeline.abort`):
+    this rank raises it, and each stage waiting on this one raises `PipelineAborted` naming it.
     """
     import time
 
@@ -69,6 +75,12 @@ def run_schedule(stage: nn.Module, schedule: Schedule, mesh: Mesh, inputs: list[
     def peer(k: int) -> tuple[int, int]:  # (rank, chunk) holding virtual stage k
         return holder(k, p, schedule.placement)
 
+    def route(a: Action) -> tuple[int, AxisGroup] | None:  # where a send action goes, if to another rank
+        if a.kind not in ("SEND_ACT", "SEND_GRAD"):
+            return None
+        dst_rank, _ = peer(piece(a) + 1 if a.kind == "SEND_ACT" else piece(a) - 1)
+        return None if dst_rank == rank else (dst_rank, groups["pp_act" if a.kind == "SEND_ACT" else "pp_grad"])
+
     # Everything is keyed by (micro-batch, chunk). A hop between two chunks of this rank (ZB-V's turn)
     # is handed over in memory: the send parks the tensor in `local`, the receive takes it.
     received: dict[tuple, torch.Tensor] = {}   # input activation (requires grad)
@@ -79,59 +91,72 @@ def run_schedule(stage: nn.Module, schedule: Schedule, mesh: Mesh, inputs: list[
     pending = []                               # (handle, tensor kept alive until the send completes)
     total = torch.zeros((), device=mesh.device)
     live, peak_live = 0, 0
-    for a in schedule[rank]:
-        t0 = time.perf_counter()
-        if gpu_clock:
-            ev0 = torch.cuda.Event(enable_timing=True)
-            ev0.record()
-        key, k = (a.microbatch, a.chunk), piece(a)
-        if a.kind in ("RECV_ACT", "RECV_GRAD"):
-            src, tag = (k - 1, "pp_act") if a.kind == "RECV_ACT" else (k + 1, "pp_grad")
-            src_rank, _ = peer(src)
-            if src_rank == rank:
-                buf = local.pop((tag,) + key)
-            else:
-                buf = torch.empty(act_shape, dtype=act_dtype, device=mesh.device)
-                comm.recv(buf, src_rank, groups[tag], tag=tag)
-            if a.kind == "RECV_ACT":
-                received[key] = buf.detach().requires_grad_()
-            else:
-                out_grads[key] = buf
-        elif a.kind in ("SEND_ACT", "SEND_GRAD"):
-            if a.kind == "SEND_ACT":
-                dst, tag, t = k + 1, "pp_act", outputs[key].detach()
-            else:
-                dst, tag, t = k - 1, "pp_grad", received.pop(key).grad
-            t = t.contiguous()  # a sequence-parallel shard may be a strided view
-            dst_rank, dst_chunk = peer(dst)
-            if dst_rank == rank:
-                local[(tag, a.microbatch, dst_chunk)] = t
-            else:
-                pending.append((comm.send(t, dst_rank, groups[tag], async_op=True, tag=tag), t))
-        elif a.kind == "F":
-            out = stage(inputs[a.microbatch] if k == 0 else received[key], chunk=a.chunk)
-            if k == pieces - 1:
-                out = loss_fn(out, targets[a.microbatch]) / m
-                total += out.detach()
-            outputs[key] = out
-            live += 1
-            peak_live = max(peak_live, live)
-        elif a.kind == "B":
-            out, grad = outputs.pop(key), out_grads.pop(key, None)
-            if split:
-                weight_grads[key] = backward_input(out, grad, received.get(key))
-            else:
-                out.backward(grad)
+    actions, at = schedule[rank], 0
+    try:
+        for at, a in enumerate(actions):
+            t0 = time.perf_counter()
+            if gpu_clock:
+                ev0 = torch.cuda.Event(enable_timing=True)
+                ev0.record()
+            key, k = (a.microbatch, a.chunk), piece(a)
+            if a.kind in ("RECV_ACT", "RECV_GRAD"):
+                src, tag = (k - 1, "pp_act") if a.kind == "RECV_ACT" else (k + 1, "pp_grad")
+                src_rank, _ = peer(src)
+                if src_rank == rank:
+                    buf = local.pop((tag,) + key)
+                else:
+                    buf = torch.empty(act_shape, dtype=act_dtype, device=mesh.device)
+                    comm.recv(buf, src_rank, groups[tag], tag=tag)
+                    told = read_marker(buf)  # another stage failed: stop now, not at the timeout
+                    if told is not None:
+                        raise PipelineAborted(told, f"pipeline stage {rank} (rank {mesh.rank}) at {a}", src_rank)
+                if a.kind == "RECV_ACT":
+                    received[key] = buf.detach().requires_grad_()
+                else:
+                    out_grads[key] = buf
+            elif a.kind in ("SEND_ACT", "SEND_GRAD"):
+                if a.kind == "SEND_ACT":
+                    dst, tag, t = k + 1, "pp_act", outputs[key].detach()
+                else:
+                    dst, tag, t = k - 1, "pp_grad", received.pop(key).grad
+                t = t.contiguous()  # a sequence-parallel shard may be a strided view
+                dst_rank, dst_chunk = peer(dst)
+                if dst_rank == rank:
+                    local[(tag, a.microbatch, dst_chunk)] = t
+                else:
+                    pending.append((comm.send(t, dst_rank, groups[tag], async_op=True, tag=tag), t))
+            elif a.kind == "F":
+                out = stage(inputs[a.microbatch] if k == 0 else received[key], chunk=a.chunk)
+                if k == pieces - 1:
+                    out = loss_fn(out, targets[a.microbatch]) / m
+                    total += out.detach()
+                outputs[key] = out
+                live += 1
+                peak_live = max(peak_live, live)
+            elif a.kind == "B":
+                out, grad = outputs.pop(key), out_grads.pop(key, None)
+                if split:
+                    weight_grads[key] = backward_input(out, grad, received.get(key))
+                else:
+                    out.backward(grad)
+                    live -= 1
+            elif a.kind == "W":
+                weight_grads.pop(key).run()
                 live -= 1
-        elif a.kind == "W":
-            weight_grads.pop(key).run()
-            live -= 1
-        if gpu_clock:
-            ev1 = torch.cuda.Event(enable_timing=True)
-            ev1.record()
-            spans.append((str(a), ev0, ev1))
-        elif timeline is not None:
-            timeline.append((str(a), t0, time.perf_counter()))
+            if gpu_clock:
+                ev1 = torch.cuda.Event(enable_timing=True)
+                ev1.record()
+                spans.append((str(a), ev0, ev1))
+            elif timeline is not None:
+                timeline.append((str(a), t0, time.perf_counter()))
+    except Exception as e:  # tell the stages waiting on this one, then raise here
+        failure = e.origin if isinstance(e, PipelineAborted) else \
+            f"pipeline stage {rank} (rank {mesh.rank}) failed at {actions[at]}: {type(e).__name__}: {e}"
+        kept = send_markers(actions[at:], route, torch.empty(act_shape, dtype=act_dtype, device=mesh.device),
+                            failure, comm.send, skip=e.sender if isinstance(e, PipelineAborted) else None)
+        if abandoned is not None:
+            abandoned.extend(pending + kept)
+        raise
     for handle, _ in pending:
         handle.wait()
     if gpu_clock:

@@ -107,6 +107,8 @@ class Pipeline:
         self.timeline: list = []  # (action, start, end) of this stage's last step, when recorded
         self.grad_group = None  # where gradients travel when activations and gradients share a pair (`connect`)
         self.peak_live_activations = 0
+        self.failed: str | None = None  # the error that stopped a step midway (`minipar.pipeline.abort`)
+        self.abandoned: list = []  # that step's sends still in flight, kept alive until they leave
 
     def connect(self) -> None:
         """Create what the schedule's messages need (collective over the world: call on every rank,
@@ -117,6 +119,10 @@ class Pipeline:
     def step(self, stage: nn.Module, strategy: Strategy, inputs: torch.Tensor, targets: torch.Tensor,
              loss_fn: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
         mesh, m = self.mesh, self.microbatches
+        if self.failed is not None:  # the same on every stage: each raised in that step
+            raise ValueError(f"an earlier step stopped midway ({self.failed}), leaving its messages in the "
+                             "pipeline's channels; build a new Mesh and ShardedModule (from full_state_dict() or "
+                             "a checkpoint) to train on")
         if inputs.shape[0] % m:
             raise ValueError(f"a batch of {inputs.shape[0]} does not split into microbatches={m}; "
                              "use a batch size divisible by the micro-batch count")
@@ -136,11 +142,15 @@ class Pipeline:
         before = w.grad.clone() if w is not None and w.grad is not None else None
         self.timeline = [] if self.record_timeline else self.timeline
         with strategy.no_sync():
-            loss, self.peak_live_activations = run_schedule(
-                stage, self.actions, mesh, list(inputs.chunk(m)) if stage.first else None,
-                list(targets.chunk(m)) if stage.last else None, stage_loss, act_shape,
-                next(stage.parameters()).dtype, timeline=self.timeline if self.record_timeline else None,
-                grad_group=self.grad_group)
+            try:  # a stage that fails tells the others at once; every stage raises (`minipar.pipeline.abort`)
+                loss, self.peak_live_activations = run_schedule(
+                    stage, self.actions, mesh, list(inputs.chunk(m)) if stage.first else None,
+                    list(targets.chunk(m)) if stage.last else None, stage_loss, act_shape,
+                    next(stage.parameters()).dtype, timeline=self.timeline if self.record_timeline else None,
+                    grad_group=self.grad_group, abandoned=self.abandoned)
+            except Exception as e:
+                self.failed = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+                raise
         sync_tied_grads(stage, mesh, self.tied_shape, already_summed=before)
         strategy.sync_grads()
         loss = loss.float().reshape(1) if scale is None else loss.float().reshape(1) / scale
