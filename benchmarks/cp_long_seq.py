@@ -1,7 +1,6 @@
 """Context parallelism on long sequences: attention memory per rank, tokens/s and the bytes of the ring.
 
-    torchrun --nproc_per_node=4 benchmarks/cp_long_seq.py [--seq 8192 --cp-sizes 1,2,4 --forms ring,ulysses
-        --steps 3 --warmup 1 --batch 1 --n-layer 2 --n-embd 128 --n-head 4 --vocab 256 --json PATH] [--smoke]
+    torchrun --nproc_per_node=4 benchmarks/cp_long_seq.py [--seq 8192 --cp-sizes 1,2,4 --forms ring,ulysses --smoke]
 
 The whole world trains the GPT in every layout: cp = 1 (the baseline) and, for each cp size C dividing
 the world and each form, ``minipar.init(cp=C)`` with ``context_parallel=form`` (dp = world / C groups,
@@ -30,6 +29,7 @@ from minipar.plan.formulas import ring_bytes
 from minipar.models import GPT, gpt_loss
 from minipar.models.data import markov_batch
 from minipar.recompute import ActivationMemory
+from references import ddp
 
 GOALS = {2: 0.55, 4: 0.30}  # attention activation memory per rank at cp = C over cp = 1
 TIME_GOAL = 1.00            # minipar's ring step time over torch context_parallel's
@@ -134,14 +134,13 @@ class TorchRun:
 
     def __init__(self, args, cfg, cp: int, device: torch.device) -> None:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.nn.parallel import DistributedDataParallel
 
         self.args, self.cp, self.device, self.form = args, cp, device, "torch"
         self.name = f"torch context_parallel cp={cp}"
         self.dmesh = init_device_mesh(device.type, (dist.get_world_size() // cp, cp), mesh_dim_names=("dp", "cp"))
         self.dp_rank = self.dmesh.get_local_rank("dp")  # rank = dp_rank * cp + cp_rank, as in minipar's Mesh
         self.model = GPT(cfg).to(device)
-        self.ddp = DistributedDataParallel(self.model)
+        self.ddp = ddp(self.model, device)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=args.lr)
         self.positions: torch.Tensor | None = None  # this rank's tokens' positions, a sharded buffer
         self.model.wpe.register_forward_pre_hook(lambda m, a: (self.positions[a[0]],))
@@ -150,8 +149,7 @@ class TorchRun:
     def step(self, step: int) -> None:
         from torch.distributed.tensor.experimental import context_parallel
 
-        x = markov_batch(step, self.dp_rank, self.args.batch, self.args.seq, self.args.vocab).to(self.device)
-        inputs, targets = x[:, :-1].contiguous(), x[:, 1:].contiguous()
+        inputs, targets = harness.markov(step, self.dp_rank, self.args, self.device)
         positions = torch.arange(self.args.seq, device=self.device)
         buffers = [inputs, targets, positions]
         with context_parallel(self.dmesh["cp"], buffers=buffers, buffer_seq_dims=[1, 1, 0],

@@ -1,7 +1,6 @@
 """Single-process DataParallel (k threads) beside minipar DDP (k processes), on CPU, one command.
 
-    python benchmarks/dp_vs_ddp.py [--workers K --steps N --warmup W --n-layer L --n-embd E
-        --n-head H --vocab V --seq T --batch B --json out.json]
+    python benchmarks/dp_vs_ddp.py [--workers K --steps N --json out.json]  # --help: every flag
 
 The same GPT on the same global batches (K*B sequences), one thread per worker: ``one`` (one thread,
 the whole batch), ``dp`` (``minipar.data_parallel.single_process.DataParallel``: K replicas in K threads), ``ddp``
@@ -45,10 +44,6 @@ def global_batch(step: int, args) -> tuple[torch.Tensor, torch.Tensor]:
     return harness.tokens(args.seed * 1_000_003 + step, args.workers * args.batch, args)
 
 
-def adamw(params, args) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
-
-
 def train(model, opt, x, y) -> float:
     loss = gpt_loss(model(x), y)
     loss.backward()
@@ -61,7 +56,7 @@ def ddp_side(ctx, args) -> dict:
     """On every rank of the pool: its B rows of each global batch under minipar DDP."""
     mesh = minipar.Mesh()
     model = minipar.ShardedModule(GPT(harness.gpt_config(args, seed=args.seed)), mesh=mesh, strategy="ddp")
-    opt = model.build_optimizer(torch.optim.AdamW, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    opt = model.build_optimizer(torch.optim.AdamW, lr=args.lr, **harness.ADAMW)
     rows, records = slice(ctx.rank * args.batch, (ctx.rank + 1) * args.batch), []
 
     def step(i: int) -> float:
@@ -87,7 +82,7 @@ def main() -> int:
     pool.start()
     try:
         one_model, dp_model = GPT(cfg), GPT(cfg)
-        one_opt, dp_opt = adamw(one_model.parameters(), args), adamw(dp_model.parameters(), args)
+        one_opt, dp_opt = (torch.optim.AdamW(m.parameters(), lr=args.lr, **harness.ADAMW) for m in (one_model, dp_model))
         dp = DataParallel(dp_model, devices=["cpu"] * k)
         param_bytes = sum(p.numel() * p.element_size() for p in dp_model.parameters())  # a tied weight once
         n_params = sum(p.numel() for p in dp_model.parameters())

@@ -1,7 +1,6 @@
 """The GPT on one GPU: minipar's training step beside PyTorch's own recipe, in tokens/s and MFU.
 
-    python benchmarks/gpt_1gpu.py [--model gpt2-medium] [--batch 16] [--seq 1024] [--steps 20]
-        [--modes minipar,torch,compile] [--json results/gpt_1gpu.json] [--profile results/profile]
+    python benchmarks/gpt_1gpu.py [--model gpt2-medium --modes minipar,torch,compile --profile DIR --json PATH]
 
 Every mode trains the same GPT (fused q/k/v; the same weights and batches) in bf16 for ``--warmup``
 untimed and ``--steps`` timed steps. minipar: ``ShardedModule`` on a world of one, ZeRO-1 with bf16
@@ -231,47 +230,38 @@ def main(argv=None) -> int:
           f"bf16, on {name}; torch {torch.__version__}; flash attention: {flash}", flush=True)
     result = {"device": name, "torch": torch.__version__, "model": args.model, "parameters": n_params,
               "batch": args.batch, "seq": args.seq, "flops_per_token": flops_per_token, "peak": peak_note,
-              "flash_attention": flash, "rows": []}
-    if args.profile:
-        profiles = result["profiles"] = {}
-        for mode in args.modes:
-            try:
-                profiles[mode] = run_mode(mode, args, cfg, mesh, device, flops_per_token, peak)
-            except Exception as e:  # noqa: BLE001 -- one mode failing must not hide the others' profiles
-                profiles[mode] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
-            harness.write_json(args.json, result)
-        print(table(profiles))
-        minipar.shutdown()
-        return 1 if any("error" in p for p in profiles.values()) else 0
-    rows = result["rows"]
+              "flash_attention": flash}
+    runs: dict[str, dict] = {}
     for mode in args.modes:
         try:
-            rows.append(run_mode(mode, args, cfg, mesh, device, flops_per_token, peak))
+            runs[mode] = run_mode(mode, args, cfg, mesh, device, flops_per_token, peak)
         except Exception as e:  # noqa: BLE001 -- one mode failing must not hide the others' figures
-            rows.append({"mode": mode, "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"})
-        print(f"  {mode}: " + (rows[-1].get("error") or f"{rows[-1]['tokens_per_s']:,.0f} tokens/s"), flush=True)
+            runs[mode] = {"mode": mode, "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+        if not args.profile:
+            print(f"  {mode}: " + (runs[mode].get("error") or f"{runs[mode]['tokens_per_s']:,.0f} tokens/s"), flush=True)
+        result.update({"profiles": runs} if args.profile else {"rows": list(runs.values())})
         harness.write_json(args.json, result)  # after every mode: a run stopped at its limit keeps what it measured
-    base = next((r for r in rows if r["mode"] == "torch" and "error" not in r), None)
-    print("\n| mode | step ms | host ms/step | tokens/s | vs torch | MFU | peak memory | loss first -> last | "
-          "syncs/step (would wait / CUDA saw) |\n|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        if "error" in r:
-            print(f"| {r['mode']} | failed: {r['error']} |||||||| ")
-            continue
-        ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}" if base else "n/a"
-        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else peak_note
-        mem = f"{r['peak_memory_bytes'] / 2**30:.2f} GiB" if r["peak_memory_bytes"] is not None else "n/a"
-        cuda_saw = r["cuda_waited"] if r["cuda_waited"] is not None else "n/a"
-        print(f"| {r['mode']} | {r['step_ms']:.1f} | {r['host_ms_per_step']:.1f} | {r['tokens_per_s']:,.0f} | {ratio} | "
-              f"{mfu} | {mem} | {r['first_loss']:.3f} -> {r['last_loss']:.3f} | {r['would_wait']} / {cuda_saw} |")
-    for r in rows:
-        if r.get("would_wait"):
-            print(f"{r['mode']}: host syncs per step at\n{r['would_wait_at']}")
-    result["median_tokens_per_s"] = statistics.median([r["tokens_per_s"] for r in rows if "error" not in r] or [0])
-    harness.write_json(args.json, result)
+    if args.profile:
+        print(table(runs))
+    else:
+        rows = list(runs.values())
+        base = next((r for r in rows if r["mode"] == "torch" and "error" not in r), None)
+        print("\n" + harness.table(["mode", "step ms", "host ms/step", "tokens/s", "vs torch", "MFU", "peak memory",
+                                    "loss first -> last", "syncs/step (would wait / CUDA saw)"], [
+            [r["mode"], f"failed: {r['error']}"] + [""] * 7 if "error" in r else [
+                r["mode"], f"{r['step_ms']:.1f}", f"{r['host_ms_per_step']:.1f}", f"{r['tokens_per_s']:,.0f}",
+                f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}" if base else "n/a",
+                f"{r['mfu']:.1%}" if r["mfu"] is not None else peak_note,
+                f"{r['peak_memory_bytes'] / 2**30:.2f} GiB" if r["peak_memory_bytes"] is not None else "n/a",
+                f"{r['first_loss']:.3f} -> {r['last_loss']:.3f}",
+                f"{r['would_wait']} / {r['cuda_waited'] if r['cuda_waited'] is not None else 'n/a'}"] for r in rows]))
+        for r in rows:
+            if r.get("would_wait"):
+                print(f"{r['mode']}: host syncs per step at\n{r['would_wait_at']}")
+        result["median_tokens_per_s"] = statistics.median([r["tokens_per_s"] for r in rows if "error" not in r] or [0])
+        harness.write_json(args.json, result)
     minipar.shutdown()
-    return 1 if any("error" in r for r in rows) else 0
-
+    return 1 if any("error" in r for r in runs.values()) else 0
 
 if __name__ == "__main__":
     raise SystemExit(main())

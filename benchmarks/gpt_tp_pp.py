@@ -1,8 +1,7 @@
 """The main job: a GPT trained with tensor and pipeline parallelism (and data parallelism on the rest).
 
-    torchrun --nproc_per_node=4 benchmarks/gpt_tp_pp.py [--tp 2 --pp 2 --schedule 1f1b --microbatches 4
-        --steps 30 --batch 8 --model tiny --dtype fp32 --check-bubble 15 --out results]
-        [--cp 2 --context-parallel ring|ulysses] [--checkpoint-dir DIR] [--moe]
+    torchrun --nproc_per_node=4 benchmarks/gpt_tp_pp.py [--tp 2 --pp 2 --schedule 1f1b --model tiny --dtype fp32
+        --check-bubble 15 --out results --cp 2 --context-parallel ring|ulysses --checkpoint-dir DIR --moe]
 
 tp=2 x pp=2 by default, dp the rest of the world; gloo and fp32 on CPU, NCCL and bf16 (ZeRO-1 with fp32
 masters) on GPUs. Presets ``--model`` tiny (~0.8M), small (~30M), medium (GPT-2 small); ``--n-layer
@@ -293,9 +292,7 @@ def main() -> int:
         for why in failures:
             print(f"FAILED: {why}")
         status = 1 if failures else 0
-    status = harness.agree(status)
-    minipar.shutdown()
-    return status
+    return harness.finish(status)
 
 
 def report(args, mesh, everyone, t, losses, dtype, n_matmul, cpu, step_stats, check_steps, max_diff,

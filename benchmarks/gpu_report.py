@@ -61,13 +61,10 @@ class Step:
     junit: str | None = None         # a pytest JUnit report: counted into passed/failed/skipped
 
 
-def torchrun(n: int, script: str, *args: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
-            str(BENCH / script), *args]
-
-
 def main_job(n: int, out: pathlib.Path, name: str, *args: str) -> list[str]:
-    return torchrun(n, "gpt_tp_pp.py", "--out", str(out / name), *args)
+    """The main job (gpt_tp_pp.py) on ``n`` ranks under torchrun, its results in OUT/name."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
+            str(BENCH / "gpt_tp_pp.py"), "--out", str(out / name), *args]
 
 
 def gpu_steps(out: pathlib.Path) -> list[Step]:

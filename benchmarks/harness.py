@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 import minipar
 from minipar.models import GPTConfig
+from minipar.models.data import markov_batch
 
 clock = time.perf_counter  # the tests replace it with a fake clock
 
@@ -139,6 +140,7 @@ class Timings:
     seconds: dict[str, list[float]]
     results: dict[str, list]
     warmup: int
+    wall_s: float = 0.0  # the whole loop's, warm-up and barriers included
 
     def timed(self, name: str) -> list[float]:
         return self.seconds[name][self.warmup:]
@@ -171,7 +173,7 @@ def interleave(variants: dict[str, Callable[[int], Any]], steps: int, warmup: in
     results: dict[str, list] = {n: [] for n in names}
     aligned = aligned and _world()
     talk = log_every and (not _world() or dist.get_rank() == 0)
-    total = warmup + steps
+    total, start = warmup + steps, time.perf_counter()
     for i in range(total):
         k = i % len(names)
         for name in names[k:] + names[:k]:
@@ -193,7 +195,7 @@ def interleave(variants: dict[str, Callable[[int], Any]], steps: int, warmup: in
     if aligned:
         flat = slowest_rank([s for n in names for s in seconds[n]])
         seconds = {n: flat[j * total:(j + 1) * total] for j, n in enumerate(names)}
-    return Timings(seconds, results, warmup)
+    return Timings(seconds, results, warmup, time.perf_counter() - start)
 
 
 def gathered_losses(per_rank: list[dict[str, list]]) -> dict[str, list[float]]:
@@ -220,6 +222,104 @@ def write_json(path: str | None, result: dict) -> None:
 def agree(status: int) -> int:
     """The worst exit status of any rank (rank 0 usually decides), on every rank."""
     return int(slowest_rank([status])[0])
+
+
+def finish(status: int | bool = 0) -> int:
+    """Every rank leaves with the worst status of any (the reduction is also the last barrier), the
+    process groups shut down."""
+    status = agree(int(status))
+    minipar.shutdown()
+    return status
+
+
+ADAMW = dict(betas=(0.9, 0.95), weight_decay=0.1)  # the GPT benchmarks' AdamW, beside their --lr
+
+
+def markov(step: int, rank: int, args, device=None, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) of ``rows`` (default ``args.batch``) sequences of the Markov "language"."""
+    t = markov_batch(step, rank, rows or args.batch, args.seq, args.vocab)
+    return t[:, :-1].contiguous().to(device), t[:, 1:].contiguous().to(device)
+
+
+def setting(mesh) -> str:
+    """Where a run ran, for its first line."""
+    return (f"world {mesh.world_size}, {dist.get_backend()} on {mesh.device}, {torch.get_num_threads()} "
+            f"thread(s)/rank, torch {torch.__version__}")
+
+
+def shape(args) -> str:
+    return f"GPT n_layer={args.n_layer} n_embd={args.n_embd} n_head={args.n_head} vocab={args.vocab} seq={args.seq}"
+
+
+def run_info(args, mesh) -> dict:
+    """The start of a comparison's JSON: the command, versions, the world and the flags."""
+    return {"command": command(), "torch": torch.__version__, "backend": dist.get_backend(), "device": str(mesh.device),
+            "world_size": mesh.world_size, "threads_per_rank": torch.get_num_threads(),
+            "config": {k: v for k, v in vars(args).items() if k not in ("json", "check")}}
+
+
+def compare(t: Timings, a: str, b: str, goal: float = 1.0, limit: float | None = None) -> dict:
+    """a against b: the ratio of the medians (the headline, held to ``limit``) and the per-step paired ratios."""
+    pair, r = t.paired(a, b), t.ratio(a, b)
+    q = statistics.quantiles(pair, n=4) if len(pair) >= 2 else [pair[0]] * 3
+    return {"median_s": [t.median(a), t.median(b)], "ratio_of_medians": r, "paired_median": statistics.median(pair),
+            "paired_quartiles": [q[0], q[2]], "paired_min_max": [min(pair), max(pair)],
+            "ratio_of_minima": min(t.timed(a)) / min(t.timed(b)), "goal": goal, "limit": limit,
+            "goal_met": r <= goal, "ok": limit is None or r <= limit}
+
+
+def print_comparison(c: dict, a: str = "minipar", b: str = "torch") -> None:
+    (ma, mb), (lo, hi), (q1, q3) = c["median_s"], c["paired_min_max"], c["paired_quartiles"]
+    print(f"\nmedian step: {a} {ma * 1e3:.2f} ms, {b} {mb * 1e3:.2f} ms")
+    print(f"ratio {a}/{b} (of medians): {c['ratio_of_medians']:.3f}  (goal <= {c['goal']:.2f}"
+          + (f", limit {c['limit']:.2f}: {'OK' if c['ok'] else 'OVER'})" if c["limit"] else ")"))
+    print(f"per-step paired ratios: median {c['paired_median']:.3f}, quartiles {q1:.3f} .. {q3:.3f}, range "
+          f"{lo:.3f} .. {hi:.3f}; ratio of the fastest steps {c['ratio_of_minima']:.3f}")
+
+
+def step_table(t: Timings, a: str, b: str, **columns: list) -> str:
+    """Each timed step of a and b side by side, their ratio, then ``columns`` (header: one value per step)."""
+    return table(["step", f"{a} ms", f"{b} ms", "ratio", *columns], [
+        [i, f"{x * 1e3:.2f}", f"{y * 1e3:.2f}", f"{x / y:.3f}", *row] for i, (x, y, *row) in
+        enumerate(zip(t.timed(a), t.timed(b), *columns.values()))])
+
+
+def ratio_table(t: Timings, pairs: dict[str, tuple[str, str]], tokens: dict[str, int], first: str = "comparison",
+                extra: dict[str, dict] | None = None) -> str:
+    """Per pair (name: (minipar's variant, torch's)): the two medians, their ratio and tokens/s (of
+    ``tokens[name]`` per step); ``extra``: more columns, header: {name: cell}."""
+    extra = extra or {}
+    return table([first, "minipar median step", "torch median step", "minipar / torch", "minipar tok/s",
+                  "torch tok/s", *extra], [
+        [n, f"{t.median(a) * 1e3:.1f} ms", f"{t.median(b) * 1e3:.1f} ms", f"{t.ratio(a, b):.2f}",
+         f"{tokens[n] / t.median(a):.0f}", f"{tokens[n] / t.median(b):.0f}", *(c[n] for c in extra.values())]
+        for n, (a, b) in pairs.items()])
+
+
+def per_op_tag(records, steps: int = 1) -> dict[str, dict[str, float]]:
+    """{"op" and "op/tag": {"calls", "bytes", "wire_bytes"} per step} of comm records."""
+    out: dict[str, dict[str, float]] = {}
+    for r in records:
+        for key in (r.op, f"{r.op}/{r.tag}"):
+            row = out.setdefault(key, {"calls": 0, "bytes": 0, "wire_bytes": 0})
+            for k, v in (("calls", 1), ("bytes", r.bytes), ("wire_bytes", r.wire_bytes)):
+                row[k] += v / steps
+    return dict(sorted(out.items()))
+
+
+def agreement(losses: dict[str, list], pairs: dict[str, tuple[str, str]], steps: int, tolerance: float,
+              each: bool = True) -> dict:
+    """The first ``steps`` losses of each pair (name: (minipar's key, torch's)) printed, and the largest
+    difference per pair (``each``) or over all, each line saying ok or MISMATCH."""
+    diffs = {name: max(abs(x - y) for x, y in zip(losses[a][:steps], losses[b][:steps])) for name, (a, b) in pairs.items()}
+    print(f"\nfirst {steps} steps' losses:\n" + "\n".join(
+        f"  {k.split('/')[0]:8s} {k.split('/')[1]:16s} " + "  ".join(f"{x:.6f}" for x in losses[k][:steps])
+        for ab in pairs.values() for k in ab))
+    for name, d in diffs.items() if each else [("", max(diffs.values()))]:
+        print(f"largest difference minipar vs torch{', ' + name if name else ''}: {d:.2e} "
+              f"({'ok' if d <= tolerance else 'MISMATCH'}, tolerance {tolerance:g})")
+    print("last step losses: " + ", ".join(f"{k.replace('/', ' ')} {losses[k][-1]:.4f}" for ab in pairs.values() for k in ab))
+    return diffs
 
 
 def run(main: Callable[[], int | None]) -> None:

@@ -13,8 +13,6 @@ and exits 0; ``--smoke`` runs tiny sizes on the CPU (the interpreter under ``TRI
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -23,6 +21,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+import harness
 from minipar import kernels
 
 
@@ -34,16 +33,14 @@ class Case:
 
 
 def parse_args() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser(__doc__, json=None, smoke=dict(rows=8, hidden=32, vocab=64, shard=1000, reps=2),
+                        help={"smoke": "tiny sizes on the CPU: exercises the script only"})
+    for flag, default, text in (("--rows", 16384, "tokens (rows) for norms, activations, loss"), ("--hidden", 4096, ""),
+                                ("--vocab", 32768, ""), ("--shard", 64 * 2**20, "elements of the optimizer shard"),
+                                ("--reps", 50, "")):
+        ap.add_argument(flag, type=int, default=default, help=text or None)
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"), help="activation dtype")
-    ap.add_argument("--rows", type=int, default=16384, help="tokens (rows) for norms, activations, loss")
-    ap.add_argument("--hidden", type=int, default=4096)
-    ap.add_argument("--vocab", type=int, default=32768)
-    ap.add_argument("--shard", type=int, default=64 * 2**20, help="elements of the optimizer shard")
-    ap.add_argument("--reps", type=int, default=50)
-    ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU: exercises the script only")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
-    ap.add_argument("--json", default=None)
     return ap.parse_args()
 
 
@@ -175,7 +172,6 @@ def copy_bandwidth(device: torch.device, run, nbytes: int) -> float:
 def main() -> int:
     args = parse_args()
     if args.smoke:
-        args.rows, args.hidden, args.vocab, args.shard, args.reps = 8, 32, 64, 1000, 2
         device = torch.device("cpu")
     elif not torch.cuda.is_available():
         print("benchmarks/kernels.py: no CUDA device here; the kernels are timed on a GPU only "
@@ -210,11 +206,7 @@ def main() -> int:
                      "fraction_of_copy": bw / copy_bw, "goal_missed": short})
     print(f"\ngoal (>= {GOAL_OF_COPY:.0%} of copy bandwidth, faster than eager and torch.compile): met by "
           f"{len(rows) - missed} of {len(rows)} kernels" + (" (smoke run: CPU, not a measurement)" if args.smoke else ""))
-    if args.json:
-        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump({"device": where, "dtype": args.dtype, "copy_gb_per_s": copy_bw / 1e9, "kernels": rows}, f,
-                      indent=1)
+    harness.write_json(args.json, {"device": where, "dtype": args.dtype, "copy_gb_per_s": copy_bw / 1e9, "kernels": rows})
     return 0
 
 

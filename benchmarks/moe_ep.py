@@ -1,7 +1,6 @@
 """Expert parallelism against the same MoE layer in one process, and its all-to-all bytes against theory.
 
-    torchrun --nproc_per_node=2 benchmarks/moe_ep.py [--tokens 2048 --d-model 256 --d-hidden 1024
-        --experts 8 --top-k 2 --capacity-factor 1.25 --steps 20 --warmup 3 --json PATH]
+    torchrun --nproc_per_node=2 benchmarks/moe_ep.py [--tokens 2048 --experts 8 --top-k 2 --json PATH]  # --help: all
 
 Each rank routes its tokens through a `minipar.moe.layer.MoELayer` with its experts split over the ranks; the
 baseline is the whole layer on rank 0 on the global batch, routed as P groups (the same capacity
@@ -17,7 +16,6 @@ import os
 import torch
 
 import harness
-import minipar
 from minipar.moe.layer import MoELayer
 
 
@@ -83,9 +81,7 @@ def main() -> int:
             "args": vars(args), "ms_one_process": med_one * 1e3, "ms_ep": med_ep * 1e3, "ratio": med_one / med_ep,
             "bytes": [{k: f[k] for k in ("rank", "sent", "implied", "dropped")} for f in figures],
             "uniform_estimate": uniform, "max_diff": diff})
-    status = harness.agree(status)
-    minipar.shutdown()
-    return status
+    return harness.finish(status)
 
 
 if __name__ == "__main__":

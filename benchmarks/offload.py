@@ -1,7 +1,6 @@
 """Offload levels against none: step time, where the state lives, and what moves per step.
 
-    torchrun --nproc_per_node=2 benchmarks/offload.py [--steps N --warmup W --n-layer L --n-embd E
-        --n-head H --vocab V --seq T --batch B --path DIR --chunk-mb C --bf16 --json out.json]
+    torchrun --nproc_per_node=2 benchmarks/offload.py [--path DIR --chunk-mb C --bf16 --json out.json]  # --help: all
 
 The same GPT under zero3 and each `minipar.Offload` level (LEVELS: optimizer state in host memory or in
 files under --path, and the parameter shards too), one after the other, timed by `harness.interleave`.

@@ -17,10 +17,8 @@ import statistics
 import torch
 
 import harness
-import minipar
 from minipar import ShardedModule
 from minipar.models import GPT, gpt_loss
-from minipar.models.data import markov_batch
 from minipar.data_parallel.onebit import OneBitAdam
 
 
@@ -29,9 +27,8 @@ def trainer(args, mesh, optimizer_cls, wire: list, **extra):
     opt = model.build_optimizer(optimizer_cls, lr=args.lr, weight_decay=0.1, **extra)
 
     def step(i: int) -> float:
-        x = markov_batch(i, mesh.dp_rank, args.batch, args.seq, args.vocab).to(mesh.device)
         with mesh.comm.counting() as stats:
-            loss = model.train_step(x[:, :-1], x[:, 1:], gpt_loss).item()
+            loss = model.train_step(*harness.markov(i, mesh.dp_rank, args, mesh.device), gpt_loss).item()
             model.clip_grad_norm_(1.0)  # after 1-bit Adam's warm-up: the local gradient, by its local norm
             opt.step()
             opt.zero_grad()
@@ -78,8 +75,7 @@ def main() -> int:
               f"total over the run: {result['wire_bytes_total_onebit'] / result['wire_bytes_total_adamw']:.3f}; "
               f"final-loss gap {gap * 100:.2f}% ({'ok' if ok else 'MISMATCH'}, tolerance {args.tolerance * 100:.0f}%)")
         harness.write_json(args.json, result)
-    minipar.shutdown()
-    return 0 if ok else 1
+    return harness.finish(not ok)
 
 
 if __name__ == "__main__":

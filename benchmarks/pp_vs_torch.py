@@ -1,8 +1,7 @@
 """minipar pipeline parallelism beside torch.distributed.pipelining, pp=2 on CPU, schedule by schedule.
 
     torchrun --nproc_per_node=2 benchmarks/pp_vs_torch.py [--schedules gpipe,1f1b,interleaved_1f1b,zb_h1,zb_v
-        --steps 20 --warmup 3 --microbatches 4 --virtual-stages 2 --batch 8 --seq 128 --n-layer 4
-        --n-embd 256 --n-head 4 --vocab 2048 --json PATH]
+        --microbatches 4 --virtual-stages 2 --json PATH]  # --help: every flag
 
 Per schedule, the same GPT (untied head) trains on both sides with AdamW: minipar's ``ShardedModule(
 schedule=S, ...).train_step`` and PyTorch's counterpart (TORCH_SCHEDULES) over one ``PipelineStage`` per
@@ -20,11 +19,9 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
                                           ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
 
 import harness
-import minipar
-from minipar import ShardedModule
 from minipar.models import GPT, gpt_loss
-from minipar.models.data import markov_batch
 from minipar.pipeline import Stage, chunks_per_rank, virtual_stage
+from references import MiniparRunner, PipelineRunner
 
 # minipar's schedule -> its PyTorch counterpart; gpipe and 1f1b take one PipelineStage, the others a list.
 TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
@@ -52,50 +49,25 @@ def chosen_schedules(args, pp: int) -> tuple[list[str], list[str]]:
     return list(dict.fromkeys(names)), []
 
 
-class MiniparRunner:
-    def __init__(self, cfg, mesh, schedule: str, m: int, v: int, lr: float) -> None:
-        self.model = ShardedModule(GPT(cfg), mesh=mesh, schedule=schedule, microbatches=m,
-                                   virtual_stages=chunks_per_rank(schedule, v))
-        self.opt = self.model.build_optimizer(torch.optim.AdamW, lr=lr, weight_decay=0.1)
-
-    def step(self, x: torch.Tensor) -> float | None:
-        loss = self.model.train_step(x[:, :-1], x[:, 1:], gpt_loss)
-        self.opt.step()
-        self.opt.zero_grad()
-        return loss.item()
-
-
-class TorchRunner:
-    """This rank's pieces as PipelineStages (one per piece, in chunk order), driven by the PyTorch schedule.
-    ``step`` returns the mean micro-batch loss on the rank holding the last piece, None elsewhere."""
-
-    def __init__(self, cfg, rank: int, stages: int, schedule: str, m: int, v: int, lr: float, device) -> None:
-        chunks = chunks_per_rank(schedule, v)
-        placement = "v" if schedule == "zb_v" else "interleaved"
-        gpt, pieces = GPT(cfg), stages * chunks
-        ks = [virtual_stage(rank, c, stages, placement) for c in range(chunks)]
-        self.modules = [Stage(gpt, k, pieces).to(device) for k in ks]
-        # each one-piece Stage must run exactly the blocks of the matching chunk of minipar's Stage
-        ref = Stage(gpt, rank, stages, chunks=chunks, placement=placement)
-        for c, piece in enumerate(self.modules):
-            lo, hi = ref.chunk_blocks[c]
-            if piece.block_index != ref.block_index[lo:hi] or (piece.first, piece.last) != \
-                    (ref.vstages[c] == 0, ref.vstages[c] == ref.pieces - 1):
-                raise RuntimeError(f"rank {rank} chunk {c}: PyTorch's piece runs blocks {piece.block_index}, "
-                                   f"minipar's chunk {ref.block_index[lo:hi]}")
-        self.first, self.last = 0 in ks, pieces - 1 in ks
-        pipe = [PipelineStage(mod, k, pieces, device) for mod, k in zip(self.modules, ks)]
-        self.schedule = TORCH_SCHEDULES[schedule](pipe[0] if schedule in ("gpipe", "1f1b") else pipe,
-                                                  n_microbatches=m, loss_fn=gpt_loss)
-        self.opt = torch.optim.AdamW([p for mod in self.modules for p in mod.parameters()], lr=lr, weight_decay=0.1)
-
-    def step(self, x: torch.Tensor) -> float | None:
-        losses: list = []
-        self.schedule.step(*((x[:, :-1],) if self.first else ()), target=x[:, 1:] if self.last else None,
-                           losses=losses if self.last else None, return_outputs=False)
-        self.opt.step()
-        self.opt.zero_grad()
-        return torch.stack([loss.detach() for loss in losses]).mean().item() if self.last else None
+def torch_runner(cfg, rank: int, stages: int, schedule: str, v: int, m: int, opt_kwargs: dict, device) -> PipelineRunner:
+    """This rank's pieces as PipelineStages (one per piece, in chunk order), driven by the PyTorch schedule."""
+    chunks = chunks_per_rank(schedule, v)
+    placement = "v" if schedule == "zb_v" else "interleaved"
+    gpt, pieces = GPT(cfg), stages * chunks
+    ks = [virtual_stage(rank, c, stages, placement) for c in range(chunks)]
+    modules = [Stage(gpt, k, pieces).to(device) for k in ks]
+    # each one-piece Stage must run exactly the blocks of the matching chunk of minipar's Stage
+    ref = Stage(gpt, rank, stages, chunks=chunks, placement=placement)
+    for c, piece in enumerate(modules):
+        lo, hi = ref.chunk_blocks[c]
+        if piece.block_index != ref.block_index[lo:hi] or (piece.first, piece.last) != \
+                (ref.vstages[c] == 0, ref.vstages[c] == ref.pieces - 1):
+            raise RuntimeError(f"rank {rank} chunk {c}: PyTorch's piece runs blocks {piece.block_index}, "
+                               f"minipar's chunk {ref.block_index[lo:hi]}")
+    pipe = [PipelineStage(mod, k, pieces, device) for mod, k in zip(modules, ks)]
+    driver = TORCH_SCHEDULES[schedule](pipe[0] if schedule in ("gpipe", "1f1b") else pipe, n_microbatches=m,
+                                       loss_fn=gpt_loss)
+    return PipelineRunner(driver, modules, 0 in ks, pieces - 1 in ks, opt_kwargs, return_outputs=False)
 
 
 def main() -> int:
@@ -111,10 +83,11 @@ def main() -> int:
     schedules, skipped = chosen_schedules(args, PP)
     mesh = harness.init(pp=PP)
     cfg, m, v = harness.gpt_config(args, tie_weights=False, seed=0), args.microbatches, args.virtual_stages
-    runners = {}
+    runners, opt_kwargs = {}, dict(lr=args.lr, weight_decay=0.1)
     for s in schedules:
-        runners[f"minipar/{s}"] = MiniparRunner(cfg, mesh, s, m, v, args.lr)
-        runners[f"torch/{s}"] = TorchRunner(cfg, mesh.pp_rank, mesh.pp, s, m, v, args.lr, mesh.device)
+        runners[f"minipar/{s}"] = MiniparRunner(cfg, mesh, opt_kwargs, schedule=s, microbatches=m,
+                                                virtual_stages=chunks_per_rank(s, v))
+        runners[f"torch/{s}"] = torch_runner(cfg, mesh.pp_rank, mesh.pp, s, v, m, opt_kwargs, mesh.device)
     if mesh.rank == 0:
         print(f"pp_vs_torch: GPT {sum(p.numel() for p in GPT(cfg).parameters()) / 1e6:.2f}M parameters (untied), "
               f"{args.n_layer} layers, pp=2 on {mesh.world_size} ranks, {dist.get_backend()}, batch {args.batch} x seq "
@@ -122,37 +95,24 @@ def main() -> int:
         if skipped:
             print(f"skipped {', '.join(skipped)}: their pieces need --n-layer >= "
                   f"{max(mesh.pp * chunks_per_rank(s, v) for s in skipped)}", flush=True)
-    batches = [markov_batch(s, 0, args.batch, args.seq, args.vocab).to(mesh.device)
-               for s in range(args.warmup + args.steps)]
-    t = harness.interleave({k: (lambda i, r=r: r.step(batches[i])) for k, r in runners.items()}, args.steps,
+    batches = [harness.markov(s, 0, args, mesh.device) for s in range(args.warmup + args.steps)]
+    t = harness.interleave({k: (lambda i, r=r: r.step(*batches[i])) for k, r in runners.items()}, args.steps,
                            args.warmup, log_every=5)
     losses = harness.gathered_losses(mesh.comm.all_gather_object(t.results, mesh.world, tag="report"))
     status = 0
     if mesh.rank == 0:
-        med, nchk = {k: t.median(k) for k in runners}, min(args.check_steps, args.warmup + args.steps)
-        ratios = {s: t.ratio(f"minipar/{s}", f"torch/{s}") for s in schedules}
-        diffs = {s: max(abs(a - b) for a, b in zip(losses[f"minipar/{s}"][:nchk], losses[f"torch/{s}"][:nchk]))
-                 for s in schedules}
-        max_diff, tokens = max(diffs.values()), args.batch * args.seq
-        status = 0 if max_diff <= args.tolerance else 1
-        print("\n" + harness.table(["schedule", "minipar median step", "torch median step", "minipar / torch",
-                                    "minipar tok/s", "torch tok/s", "first losses max diff"], [
-            [s, f"{med[f'minipar/{s}'] * 1e3:.1f} ms", f"{med[f'torch/{s}'] * 1e3:.1f} ms", f"{ratios[s]:.2f}",
-             f"{tokens / med[f'minipar/{s}']:.0f}", f"{tokens / med[f'torch/{s}']:.0f}", f"{diffs[s]:.1e}"]
-            for s in schedules]))
-        print(f"\nfirst {nchk} steps' losses:\n" + "\n".join(
-            f"  {k.split('/')[0]:8s} {k.split('/')[1]:16s} " + "  ".join(f"{x:.6f}" for x in losses[k][:nchk])
-            for k in runners))
-        print(f"largest difference minipar vs torch: {max_diff:.2e} ({'ok' if status == 0 else 'MISMATCH'}, "
-              f"tolerance {args.tolerance:g})")
-        print("last step losses: " + ", ".join(f"{k.replace('/', ' ')} {losses[k][-1]:.4f}" for k in runners))
+        pairs = {s: (f"minipar/{s}", f"torch/{s}") for s in schedules}
+        ratios = {s: t.ratio(*pairs[s]) for s in schedules}
+        diffs = harness.agreement(losses, pairs, min(args.check_steps, args.warmup + args.steps), args.tolerance,
+                                  each=False)
+        print("\n" + harness.ratio_table(t, pairs, dict.fromkeys(schedules, args.batch * args.seq), "schedule",
+                                         {"first losses max diff": {s: f"{d:.1e}" for s, d in diffs.items()}}))
+        status = int(max(diffs.values()) > args.tolerance)
         harness.write_json(args.json, {
             "args": vars(args), "torch": torch.__version__, "schedules": schedules, "skipped": skipped,
-            "median_step_s": med, "ratio_minipar_over_torch": ratios, "step_times_s": t.seconds, "losses": losses,
-            "first_losses_diff": diffs, "first_losses_max_diff": max_diff})
-    status = harness.agree(status)
-    minipar.shutdown()
-    return status
+            "median_step_s": {k: t.median(k) for k in runners}, "ratio_minipar_over_torch": ratios,
+            "step_times_s": t.seconds, "losses": losses, "first_losses_diff": diffs, "first_losses_max_diff": max(diffs.values())})
+    return harness.finish(status)
 
 
 if __name__ == "__main__":

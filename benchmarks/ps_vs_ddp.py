@@ -1,7 +1,6 @@
 """Parameter server against DDP at the same world size: step time and the busiest rank's bytes.
 
-    torchrun --nproc_per_node=4 benchmarks/ps_vs_ddp.py [--servers 1 --steps N --warmup W
-        --n-layer L --n-embd E --n-head H --vocab V --seq T --batch B --staleness K --json out.json]
+    torchrun --nproc_per_node=4 benchmarks/ps_vs_ddp.py [--servers 1 --staleness K --json out.json]  # --help: all
 
 The same GPT and per-rank batch under ``ddp`` (all n ranks compute), ``ps sync`` and ``ps async``
 (``ParameterServer``: S servers, n - S workers), one after the other, timed by `harness.interleave` (the

@@ -1,7 +1,6 @@
 """Soak: the main job's layout for many steps, watching every rank's resident memory.
 
-    torchrun --nproc_per_node=4 benchmarks/soak.py [--steps 1000 --every 50 --warmup 100
-        --tp 2 --pp 2 --schedule 1f1b --microbatches 4 --batch 8 --model tiny --json PATH --check] [--smoke]
+    torchrun --nproc_per_node=4 benchmarks/soak.py [--steps 1000 --every 50 --json PATH --check --smoke]
 
 The main job's model, layout and step (``gpt_tp_pp``), timed by `harness.interleave`. Each rank's RSS
 after every ``--every`` steps, the warm-up (default 10%) and the last (untimed); growth from the warm-up

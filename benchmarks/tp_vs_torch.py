@@ -1,8 +1,7 @@
 """minipar tensor parallelism against torch.distributed.tensor.parallel, step for step.
 
-    torchrun --nproc_per_node=2 benchmarks/tp_vs_torch.py [--steps N --warmup W --sequence-parallel
-        --minipar-api sharded|parallelize --foreach --n-layer L --n-embd E --n-head H --vocab V
-        --seq T --batch B --lr LR --seed S --json out.json --check]
+    torchrun --nproc_per_node=2 benchmarks/tp_vs_torch.py [--sequence-parallel --minipar-api sharded|parallelize
+        --foreach --json out.json --check]  # --help: every flag
 
 tp = world; the same GPT (untied head) and batches on both sides. minipar: ``ShardedModule(strategy=
 "ddp", sequence_parallel=...)`` applying ``GPT.tp_plan`` (or ``parallelize`` alone); torch:
@@ -328,9 +327,8 @@ def main() -> int:
         tick(clock)
         return loss, [b - a for a, b in zip(clock, clock[1:])]  # a rank's phase includes its waits in collectives
 
-    t_start = time.perf_counter()
     t = harness.interleave({"minipar": lambda i: step(mp, i), "torch": lambda i: step(pt, i)}, args.steps, args.warmup)
-    wall, times = time.perf_counter() - t_start, {s: t.timed(s) for s in SIDES}
+    wall, times = t.wall_s, {s: t.timed(s) for s in SIDES}
     phases = harness.slowest_rank([p for s in SIDES for _, ph in t.results[s][args.warmup:] for p in ph])
     phases = torch.tensor(phases, dtype=torch.float64).view(2, args.steps, len(PHASES))
     phase_med = {s: {ph: statistics.median(phases[j, :, k].tolist()) for k, ph in enumerate(PHASES)}
@@ -345,20 +343,13 @@ def main() -> int:
     loss_diffs = [abs(a - b) for a, b in zip(losses["minipar"], losses["torch"])]
     first_diff, all_diff = max(loss_diffs[:FIRST_STEPS]), max(loss_diffs)
     same_function = sorted(full_a) == sorted(full_b) and first_diff <= LOSS_TOL and param_diff <= PARAM_TOL
-    med, ratio, pair = {s: t.median(s) for s in SIDES}, t.ratio("minipar", "torch"), t.paired("minipar", "torch")
-    q = statistics.quantiles(pair, n=4) if len(pair) >= 2 else [pair[0]] * 3
-    ratio_ok = ratio <= RATIO_LIMIT
+    c = harness.compare(t, "minipar", "torch", RATIO_GOAL, RATIO_LIMIT)
     totals = {ph: {k: sum(r[k] for r in rows if r["phase"] == ph) for k in ("bytes", "wire_bytes", "calls")}
               for ph in PHASES_COMM}
     result = {
-        "command": harness.command(), "torch": torch.__version__, "backend": dist.get_backend(),
-        "device": str(device), "tp": world, "threads_per_rank": torch.get_num_threads(),
-        "config": {k: v for k, v in vars(args).items() if k not in ("json", "check")},
-        "tie_weights": False, "n_params": n_params, "params_per_rank": local_params, "step_s": times,
-        "median_step_s": med, "median_phase_s_slowest_rank": phase_med,
-        "ratio_minipar_over_torch": ratio, "ratio_goal": RATIO_GOAL, "ratio_limit": RATIO_LIMIT, "ratio_ok": ratio_ok,
-        "pair_ratio_median": t.paired_median("minipar", "torch"), "pair_ratio_quartiles": q,
-        "pair_ratio_min_max": [min(pair), max(pair)], "losses": losses,
+        **harness.run_info(args, mesh), "tp": world, "tie_weights": False, "n_params": n_params,
+        "params_per_rank": local_params, "step_s": times, "minipar_over_torch": c,
+        "median_phase_s_slowest_rank": phase_med, "losses": losses,
         "max_abs_loss_diff_first_steps": first_diff, "first_steps": min(FIRST_STEPS, len(loss_diffs)),
         "max_abs_loss_diff_all_steps": all_diff, "max_abs_param_diff": param_diff, "max_abs_param_diff_at": worst_param,
         "max_abs_param": max_param, "same_function": same_function, "minipar_comm": rows,
@@ -368,20 +359,13 @@ def main() -> int:
         api = ("ShardedModule(strategy='ddp') applying GPT.tp_plan" if args.minipar_api == "sharded"
                else "tensor_parallel.parallelize(GPT.tp_plan)")
         print(f"minipar TP vs torch TP (DTensor): tp={world}{' + sequence parallel' if args.sequence_parallel else ''}, "
-              f"{dist.get_backend()} on {device}, {torch.get_num_threads()} thread(s)/rank, torch {torch.__version__}")
+              f"{harness.setting(mesh)}")
         print(f"minipar: {api}; torch: parallelize_module; AdamW(foreach={opt_kwargs.get('foreach')}) on both")
-        print(f"GPT n_layer={args.n_layer} n_embd={args.n_embd} n_head={args.n_head} vocab={args.vocab} seq={args.seq} "
-              f"batch={args.batch} (untied head): {n_params:,} parameters, {local_params:,} per rank; "
-              f"{args.warmup} warm-up + {args.steps} timed steps each\n")
-        timed_losses = [losses[s][args.warmup:] for s in SIDES]
-        print(harness.table(["step", "minipar ms", "torch ms", "ratio", "loss minipar", "loss torch"], [
-            [i, f"{a * 1e3:.2f}", f"{b * 1e3:.2f}", f"{a / b:.3f}", f"{la:.6f}", f"{lb:.6f}"]
-            for i, (a, b, la, lb) in enumerate(zip(times["minipar"], times["torch"], *timed_losses))]))
-        print(f"\nmedian step: minipar {med['minipar'] * 1e3:.2f} ms, torch {med['torch'] * 1e3:.2f} ms")
-        print(f"ratio minipar/torch (of medians): {ratio:.3f}  (goal <= {RATIO_GOAL:.2f}, limit {RATIO_LIMIT:.2f}: "
-              f"{'OK' if ratio_ok else 'OVER'})")
-        print(f"per-step paired ratios: median {result['pair_ratio_median']:.3f}, quartiles {q[0]:.3f} .. {q[2]:.3f}, "
-              f"range {min(pair):.3f} .. {max(pair):.3f}")
+        print(f"{harness.shape(args)} batch={args.batch} (untied head): {n_params:,} parameters, {local_params:,} per "
+              f"rank; {args.warmup} warm-up + {args.steps} timed steps each\n")
+        print(harness.step_table(t, "minipar", "torch", **{f"loss {s}": [f"{v:.6f}" for v in losses[s][args.warmup:]]
+                                                          for s in SIDES}))
+        harness.print_comparison(c)
         print("median per phase (slowest rank), ms: " + "; ".join(
             f"{ph} minipar {phase_med['minipar'][ph] * 1e3:.1f} / torch {phase_med['torch'][ph] * 1e3:.1f}"
             for ph in PHASES))
@@ -392,10 +376,7 @@ def main() -> int:
         report_comm(args, world, rows, totals, comm_ok, torch_counts)
         print(f"\nwall time of the training loops: {wall:.1f} s")
         harness.write_json(args.json, result)
-    dist.barrier()
-    minipar.shutdown()
-    return 1 if args.check and not (ratio_ok and same_function and comm_ok) else 0
-
+    return harness.finish(args.check and not (c["ok"] and same_function and comm_ok))
 
 def report_comm(args, world: int, rows: list[dict], totals: dict, comm_ok: bool, torch_counts: dict) -> None:
     act = args.batch * args.seq * args.n_embd * 4

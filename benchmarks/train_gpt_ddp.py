@@ -16,11 +16,9 @@ import torch
 import torch.distributed as dist
 
 import harness
-import minipar
 from gpt_tp_pp import reference_losses
 from minipar import ShardedModule
 from minipar.models import GPT, gpt_loss
-from minipar.models.data import markov_batch
 
 
 def main() -> int:
@@ -36,15 +34,13 @@ def main() -> int:
     cfg = harness.gpt_config(args, seed=0)
     model = ShardedModule(GPT(cfg), mesh=mesh, strategy="ddp", bucket_cap_mb=args.bucket_cap_mb)
     opt = model.build_optimizer(torch.optim.AdamW, lr=args.lr, weight_decay=0.1)
-    n_params = sum(p.numel() for p in model.parameters())
-    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    n_params, param_bytes = (sum(f(p) for p in model.parameters()) for f in (torch.numel, lambda p: p.nbytes))
     if is_main:
         print(f"minipar DDP: {mesh}\nGPT {n_params / 1e6:.2f}M parameters, {mesh.dp} ranks x {args.batch} "
               f"sequences x {args.seq} tokens per step, backend {dist.get_backend()}", flush=True)
 
     def step(i: int) -> float:
-        x = markov_batch(i, mesh.dp_rank, args.batch, args.seq, args.vocab).to(mesh.device)
-        loss = model.train_step(x[:, :-1], x[:, 1:], gpt_loss)
+        loss = model.train_step(*harness.markov(i, mesh.dp_rank, args, mesh.device), gpt_loss)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad()
@@ -75,9 +71,7 @@ def main() -> int:
             ["tokens / s (all ranks)", f"{result['tokens_per_s']:.0f}"],
             ["gradient bytes all-reduced per step", f"{grad_bytes:.0f} (parameter bytes {param_bytes})"]]))
         harness.write_json(args.json, result)
-    status = harness.agree(status)  # every rank leaves with rank 0's verdict
-    minipar.shutdown()
-    return status
+    return harness.finish(status)  # every rank leaves with rank 0's verdict
 
 
 if __name__ == "__main__":

@@ -1,8 +1,7 @@
 """minipar ZeRO-1/3 against PyTorch's ZeroRedundancyOptimizer and FSDP2: speed, memory, communication.
 
-    torchrun --nproc_per_node=2 benchmarks/zero_vs_torch.py [--model gpt|linear20 --steps N --warmup W
-        --n-layer L --n-embd E --n-head H --vocab V --seq T --batch B --lr LR --seed S --ddp-bucket-view 0|1
-        --bf16-table/--no-bf16-table --impls a,b,... --unit-check 0|1 --json out.json --check]
+    torchrun --nproc_per_node=2 benchmarks/zero_vs_torch.py [--model gpt|linear20 --impls a,b,... --unit-check 0|1
+        --no-bf16-table --json out.json --check]  # --help: every flag
 
 Every implementation (LABELS) trains the same model and batches: ``gpt`` (Markov tokens, AdamW) or
 ``linear20`` (the tutorial's 20 x ``nn.Linear(2000, 2000)``, Adam; built in rounds to fit in RAM),
@@ -27,16 +26,15 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
-from torch.nn.parallel import DistributedDataParallel
 
 import harness
 import minipar
 from minipar.plan.formulas import DataParallelShape, ParamSet, dp_calls, shard_formula, summarize
 from minipar.models import GPT, gpt_loss
 from minipar.models.data import markov_batch
+from references import ddp, fsdp2
 
 RATIO_GOAL, RATIO_LIMIT = 1.00, 1.25
 PAIRS = (("mp_zero1", "torch_zero1"), ("mp_zero3", "torch_fsdp2"))   # the timed comparisons
@@ -129,15 +127,12 @@ def build_side(key: str, w, mesh: minipar.Mesh, args, mixed=None) -> Side:
         return Side(key, sm, inner, sm.build_optimizer(w.opt_cls, **w.opt_kwargs), sharded=sm)
     inner = w.build().to(mesh.device)
     if key == "torch_fsdp2":
-        dmesh = init_device_mesh(mesh.device.type, (dist.get_world_size(),))
-        for unit in w.units(inner) + [inner]:
-            fully_shard(unit, mesh=dmesh)
+        fsdp2(inner, w.units(inner), init_device_mesh(mesh.device.type, (dist.get_world_size(),)))
         return Side(key, inner, inner, w.opt_cls(inner.parameters(), **w.opt_kwargs))
-    ddp = DistributedDataParallel(inner, gradient_as_bucket_view=bool(args.ddp_bucket_view))
-    opt = (w.opt_cls(ddp.parameters(), **w.opt_kwargs) if key == "torch_ddp" else
-           ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=w.opt_cls, **w.opt_kwargs))
-    return Side(key, ddp, inner, opt)
-
+    wrapped = ddp(inner, mesh.device, gradient_as_bucket_view=bool(args.ddp_bucket_view))
+    opt = (w.opt_cls(wrapped.parameters(), **w.opt_kwargs) if key == "torch_ddp" else
+           ZeroRedundancyOptimizer(wrapped.parameters(), optimizer_class=w.opt_cls, **w.opt_kwargs))
+    return Side(key, wrapped, inner, opt)
 
 def run_step(side: Side, x, y, loss_fn, probe: bool = False, timed: bool = False) -> float:
     """One step; its phases (PHASES) kept when ``timed``, the memory probed after the optimizer step."""
@@ -205,13 +200,7 @@ def print_memory_rows(title: str, rows: list) -> None:
 
 
 def comm_per_step(records: list, steps: int) -> dict:
-    out: dict[str, dict[str, float]] = {}
-    for r in records:
-        for key in (r.op, f"{r.op}/{r.tag}"):
-            row = out.setdefault(key, {"calls": 0, "bytes": 0, "wire_bytes": 0})
-            for k, v in (("calls", 1), ("bytes", r.bytes), ("wire_bytes", r.wire_bytes)):
-                row[k] += v / steps
-    return {"by_op": dict(sorted(out.items())), "wire_bytes_total": sum(r.wire_bytes for r in records) / steps,
+    return {"by_op": harness.per_op_tag(records, steps), "wire_bytes_total": sum(r.wire_bytes for r in records) / steps,
             "wire_bytes_data": sum(r.wire_bytes for r in records if r.tag not in CONTROL_TAGS) / steps,
             "steps_counted": steps}
 
@@ -259,11 +248,9 @@ def main() -> int:
         print(f"model: {w.describe}; Φ = {phi:,} parameters ({4 * phi / MIB:.1f} MiB fp32)")
         print(f"{args.warmup} warm-up + {args.steps} timed steps per implementation; torch DDP "
               f"gradient_as_bucket_view={bool(args.ddp_bucket_view)}", flush=True)
-    res: dict[str, Any] = {
-        "command": f"torchrun --nproc_per_node={world} " + harness.command(), "torch": torch.__version__,
-        "backend": dist.get_backend(), "device": str(mesh.device), "world_size": world,
-        "threads_per_rank": torch.get_num_threads(), "model": args.model, "phi": phi, "minipar_source": source_state(),
-        "config": {k: v for k, v in vars(args).items() if k not in ("json", "check")}, "speed": {}, "ratios": {}}
+    res: dict[str, Any] = {**harness.run_info(args, mesh), "model": args.model, "phi": phi,
+                           "minipar_source": source_state(), "speed": {}, "ratios": {}}
+    res["command"] = f"torchrun --nproc_per_node={world} " + res["command"]
 
     def step_fn(side: Side):
         def step(i: int) -> float:  # warm-up steps counted and the last one probed; timed ones split in phases
@@ -281,9 +268,8 @@ def main() -> int:
     expected3, wall = None, 0.0
     for rnd in w.rounds:
         sides = [build_side(k, w, mesh, args) for k in rnd if k in args.impls]
-        t0 = time.perf_counter()
         t = harness.interleave({s.key: step_fn(s) for s in sides}, args.steps, args.warmup) if sides else None
-        wall += time.perf_counter() - t0
+        wall += t.wall_s if t else 0.0
         for s in sides:  # full parameters: a collective, rank 0 keeps them
             full = s.sharded.full_state_dict() if s.sharded is not None else {
                 k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().float().clone()
@@ -299,11 +285,7 @@ def main() -> int:
             s.model = s.inner = s.opt = s.sharded = None  # free the model and optimizer; keep the figures
         for a, b in PAIRS:
             if a in done and b in done and f"{a}/{b}" not in res["ratios"]:
-                pair, r = t.paired(a, b), t.ratio(a, b)
-                res["ratios"][f"{a}/{b}"] = {"ratio_of_medians": r, "paired_median": t.paired_median(a, b),
-                                             "paired_min": min(pair), "paired_max": max(pair),
-                                             "ratio_of_minima": min(t.timed(a)) / min(t.timed(b)),
-                                             "ok": r <= RATIO_LIMIT, "goal_met": r <= RATIO_GOAL}
+                res["ratios"][f"{a}/{b}"] = harness.compare(t, a, b, RATIO_GOAL, RATIO_LIMIT)
         del sides
 
     # bf16 mixed precision: one step each of minipar zero1/2/3, for the memory table and the comm bytes.
@@ -347,9 +329,7 @@ def main() -> int:
     if rank == 0:
         report(res, args)
         harness.write_json(args.json, res)
-    dist.barrier()
-    minipar.shutdown()
-    return 1 if args.check and not all(r["ok"] for r in res["ratios"].values()) else 0
+    return harness.finish(args.check and not all(r["ok"] for r in res["ratios"].values()))
 
 
 def report(res: dict, args) -> None:
@@ -364,7 +344,8 @@ def report(res: dict, args) -> None:
         verdict = "goal met" if r["goal_met"] else ("within limit" if r["ok"] else "OVER LIMIT")
         print(f"ratio {name}: {r['ratio_of_medians']:.3f} of medians  (goal <= {RATIO_GOAL:.2f}, limit "
               f"{RATIO_LIMIT:.2f}: {verdict}); per-step paired ratios median {r['paired_median']:.3f}, "
-              f"range {r['paired_min']:.3f} .. {r['paired_max']:.3f}; ratio of minima {r['ratio_of_minima']:.3f}")
+              f"range {r['paired_min_max'][0]:.3f} .. {r['paired_min_max'][1]:.3f}; ratio of minima "
+              f"{r['ratio_of_minima']:.3f}")
     print("loss first -> last step: " + ", ".join(
         f"{k} {sp[k]['loss_first_last'][0]:.4f} -> {sp[k]['loss_first_last'][1]:.4f}" for k in order))
     print(f"\n== 2. persistent memory per rank: Φ = {res['phi']:,}, N = {res['world_size']}; after backward and "
