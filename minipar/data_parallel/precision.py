@@ -12,6 +12,13 @@ before backward; gradients are divided by it before clipping and the step. A
 non-finite gradient element on *any* rank skips the step on *every* rank and
 halves the scale everywhere (one all-reduce of a flag decides it), so ranks
 never diverge; ``growth_interval`` clean steps in a row double it.
+
+``fp8``: a `minipar.fp8.Float8Config`, or None. With one, the model's linear
+layers (not the embedding, LM head or MoE router) compute their matmuls in FP8
+(`minipar.fp8.apply_fp8`); the parameters the model holds, gradients and
+masters are as the rest of the policy says, so every data-parallel strategy is
+unchanged. param_dtype must then be bf16 or fp32: FP8 has its own scales, and
+fp16's loss scaling on top of them is a combination no recipe uses.
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..fp8.config import Float8Config
+
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -31,6 +40,7 @@ class MixedPrecision:
     reduce_dtype: torch.dtype | None = None
     init_scale: float = 2.0**16
     growth_interval: int = 2000
+    fp8: Float8Config | None = None
 
     def __post_init__(self) -> None:
         for name in ("param_dtype", "reduce_dtype"):
@@ -45,6 +55,11 @@ class MixedPrecision:
         if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
             raise ValueError(f"MixedPrecision.growth_interval={interval!r} must be an integer >= 1 (clean steps "
                              "before the loss scale doubles)")
+        if self.fp8 is not None and not isinstance(self.fp8, Float8Config):
+            raise ValueError(f"MixedPrecision.fp8={self.fp8!r} must be a minipar.fp8.Float8Config or None")
+        if self.fp8 is not None and self.uses_loss_scaling:
+            raise ValueError("MixedPrecision(fp8=...) with fp16 parameters or gradients: FP8 scales each matmul "
+                             "itself; use param_dtype=torch.bfloat16 (or float32) with fp8")
 
     @property
     def grad_dtype(self) -> torch.dtype:
