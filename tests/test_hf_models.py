@@ -40,18 +40,19 @@ _SMALL = dict(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden
               num_key_value_heads=2, max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0, pad_token_id=0)
 
 
-def build(kind: str, tied: bool = True, attn: str = "sdpa") -> nn.Module:
-    """A small ``kind`` model (Llama, Qwen3, Olmo2, Mixtral, Gemma, GPT-2) from a config, the same weights in
-    every process (seeded); never downloaded."""
+def build(kind: str, tied: bool = True, attn: str = "sdpa", **config: object) -> nn.Module:
+    """A small ``kind`` model (Llama, Qwen3, Olmo2, Mistral, Mixtral, Gemma, GPT-2) from a config (``config``
+    overrides its fields), the same weights in every process (seeded); never downloaded."""
     torch.manual_seed(0)
     if kind == "gpt2":
         cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=16, n_layer=2, n_head=2,
                                       bos_token_id=0, eos_token_id=0, tie_word_embeddings=tied,
-                                      attn_implementation=attn)
+                                      attn_implementation=attn, **config)
         return transformers.GPT2LMHeadModel(cfg)
-    name = {"llama": "Llama", "qwen3": "Qwen3", "olmo2": "Olmo2", "mixtral": "Mixtral", "gemma": "Gemma"}[kind]
+    name = {"llama": "Llama", "qwen3": "Qwen3", "olmo2": "Olmo2", "mistral": "Mistral", "mixtral": "Mixtral",
+            "gemma": "Gemma"}[kind]
     extra = dict(head_dim=4) if kind == "qwen3" else {}
-    cfg = getattr(transformers, name + "Config")(**_SMALL, **extra, tie_word_embeddings=tied,
+    cfg = getattr(transformers, name + "Config")(**{**_SMALL, **extra, **config}, tie_word_embeddings=tied,
                                                  attn_implementation=attn)
     return getattr(transformers, name + "ForCausalLM")(cfg)
 
@@ -64,14 +65,20 @@ def _data(dp: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (STEPS, 2 * dp, SEQ + 1), generator=torch.Generator().manual_seed(7))
 
 
+EVAL = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
+
+
 def _train(ctx, case: dict):
     mesh = Mesh(**case["mesh"])
-    model = ShardedModule(build(case["model"], case["tied"], case["attn"]), mesh=mesh, strategy=case["strategy"])
+    model = ShardedModule(build(case["model"], case["tied"], case["attn"]), mesh=mesh, strategy=case["strategy"],
+                          context_parallel=case.get("form"))
     opt = model.build_optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD, eps=EPS)
     losses, norms = train_rows(model, opt, _data(mesh.dp), MAX_NORM, lm_loss)
     state = {k: v.cpu() for k, v in model.full_state_dict().items()}
+    with torch.no_grad():  # a direct call: the whole sequence on this rank, the model's own attention
+        logits = model(EVAL).logits
     mesh.destroy()
-    return losses, norms, state
+    return losses, norms, state, logits
 
 
 def _reference(case: dict):
@@ -83,7 +90,9 @@ def _reference(case: dict):
         return torch.stack([lm_loss(lg, t) for lg, t in zip(logits.chunk(case["mesh"].get("dp", 1)),
                                                                y.chunk(case["mesh"].get("dp", 1)))]).mean()
     losses, norms = reference_steps(model, STEPS, step_loss, MAX_NORM)
-    return losses, norms, model.state_dict()
+    with torch.no_grad():
+        logits = model(EVAL).logits
+    return losses, norms, model.state_dict(), logits
 
 
 CASES = [
@@ -93,27 +102,33 @@ CASES = [
     dict(model="llama", attn="eager", tied=False, mesh=dict(tp=2, dp=2), strategy="zero1"),
     dict(model="qwen3", attn="sdpa", tied=False, mesh=dict(tp=2), strategy="ddp"),
     dict(model="olmo2", attn="eager", tied=True, mesh=dict(tp=2), strategy="ddp"),
+    # context parallelism: transformers' attention through ring / Ulysses attention, rotary positions mapped
+    dict(model="llama", attn="eager", tied=True, mesh=dict(cp=2), strategy="ddp", form="ring"),
+    dict(model="llama", attn="sdpa", tied=False, mesh=dict(cp=2), strategy="ddp", form="ulysses"),
+    dict(model="llama", attn="sdpa", tied=True, mesh=dict(tp=2, cp=2), strategy="zero1", form="ring"),
+    dict(model="qwen3", attn="eager", tied=False, mesh=dict(cp=2, dp=2), strategy="zero3", form="ring"),
 ]
 
 
 def _name(c: dict) -> str:
     return "-".join([c["model"], c["attn"], "tied" if c["tied"] else "untied", c["strategy"]]
-                    + [f"{k}{v}" for k, v in c["mesh"].items()])
+                    + [f"{k}{v}" for k, v in c["mesh"].items()] + ([c["form"]] if "form" in c else []))
 
 
 @pytest.mark.parametrize("case", CASES, ids=_name)
 def test_hf_model_with_its_own_plan_equals_single_process(pools, case, tmp_path):
-    world = case["mesh"].get("tp", 1) * case["mesh"].get("dp", 1)
-    ref_losses, ref_norms, ref_state = _reference(case)
+    world = case["mesh"].get("tp", 1) * case["mesh"].get("dp", 1) * case["mesh"].get("cp", 1)
+    ref_losses, ref_norms, ref_state, ref_logits = _reference(case)
     assert min(ref_norms) > MAX_NORM  # clipping fires
     results = pools.run(world, _train, case)
-    for rank, (losses, norms, state) in enumerate(results):
+    for rank, (losses, norms, state, logits) in enumerate(results):
         where = lambda s: f"rank {rank} of {_name(case)}: {s}"  # noqa: E731
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), msg=where)
         torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), msg=where)
         assert state.keys() == ref_state.keys(), where(f"{sorted(set(state) ^ set(ref_state))}")
         for k, v in ref_state.items():
             torch.testing.assert_close(state[k], v, msg=lambda s: f"rank {rank} {k} of {_name(case)}: {s}")
+        torch.testing.assert_close(logits, ref_logits, msg=where)
     # The gathered state is a Hugging Face checkpoint: strict load, save_pretrained, from_pretrained.
     state = results[0][2]
     fresh = build(case["model"], case["tied"], case["attn"])
@@ -122,8 +137,7 @@ def test_hf_model_with_its_own_plan_equals_single_process(pools, case, tmp_path)
     again = type(fresh).from_pretrained(tmp_path, attn_implementation=case["attn"])
     for k, v in again.state_dict().items():
         torch.testing.assert_close(v, state[k], rtol=0, atol=0, msg=k)
-    x = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
-    torch.testing.assert_close(again(x).logits, fresh(x).logits, rtol=0, atol=0)
+    torch.testing.assert_close(again(EVAL).logits, fresh(EVAL).logits, rtol=0, atol=0)
 
 
 def test_the_translation_of_llamas_plan():
@@ -137,14 +151,18 @@ def test_the_translation_of_llamas_plan():
         "model.layers.*.mlp.down_proj": "rowwise"}
 
 
-def _refused(ctx, kind: str, options: dict):
-    mesh = Mesh(tp=2)
+def _refused(ctx, kind: str, options: dict, layout: dict, tweak: dict):
+    mesh = Mesh(**layout)
+    model = build(kind, tied=False, **tweak.get("build", {}))
+    for a in (m for m in model.modules() if hasattr(m, "scaling")):
+        a.scaling = tweak.get("scaling", a.scaling)
+    attn = model.config._attn_implementation
     try:
         with mesh.comm.counting() as stats:
-            ShardedModule(build(kind, tied=False), mesh=mesh, **options)
+            ShardedModule(model, mesh=mesh, **options)
         return None
-    except ValueError as e:
-        return str(e), [r.tag for r in stats.records]
+    except ValueError as e:  # and the model is left as it was
+        return str(e), [r.tag for r in stats.records], model.config._attn_implementation == attn
     finally:
         mesh.destroy()
 
@@ -152,17 +170,30 @@ def _refused(ctx, kind: str, options: dict):
 GPT2_PLAN = {"transformer.h.*.attn.c_attn": "colwise", "transformer.h.*.attn.c_proj": "rowwise"}
 
 
-@pytest.mark.parametrize("kind, options, message", [
-    ("mixtral", {}, "'model.layers.*.mlp.experts': 'moe_tp_experts' shards transformers' fused experts"),
-    ("mixtral", {}, "Pass tp_plan= yourself"),
-    ("gpt2", {}, "GPT2LMHeadModel carries no tensor-parallel plan"),
-    ("gpt2", {}, "train it with tp=1"),
-    ("gpt2", {"tp_plan": GPT2_PLAN}, "is transformers' Conv1D"),
-    ("gpt2", {"tp_plan": GPT2_PLAN}, "fuses q, k and v in one matrix"),
-    ("llama", {"sequence_parallel": True}, "transformers' plans have no sequence-parallel form"),
-    ("gemma", {"tp_plan": {"model.embed_tokens": "vocab"}}, "with its own forward"),
+TP, CP = dict(tp=2), dict(cp=2)
+
+
+@pytest.mark.parametrize("kind, options, layout, tweak, message", [
+    ("mixtral", {}, TP, {}, "'model.layers.*.mlp.experts': 'moe_tp_experts' shards transformers' fused experts"),
+    ("mixtral", {}, TP, {}, "Pass tp_plan= yourself"),
+    ("gpt2", {}, TP, {}, "GPT2LMHeadModel carries no tensor-parallel plan"),
+    ("gpt2", {}, TP, {}, "train it with tp=1"),
+    ("gpt2", {"tp_plan": GPT2_PLAN}, TP, {}, "is transformers' Conv1D"),
+    ("gpt2", {"tp_plan": GPT2_PLAN}, TP, {}, "fuses q, k and v in one matrix"),
+    ("llama", {"sequence_parallel": True}, TP, {}, "transformers' plans have no sequence-parallel form"),
+    ("gemma", {"tp_plan": {"model.embed_tokens": "vocab"}}, TP, {}, "with its own forward"),
+    # context parallelism: what ring and Ulysses attention cannot compute
+    ("mistral", {}, CP, {"build": {"sliding_window": 4}}, "attends over a sliding window of 4 tokens"),
+    ("llama", {}, CP, {"scaling": 1.0}, "computes attention other than causal softmax(q k^T / sqrt(head_dim)) v"),
+    ("gpt2", {}, CP, {}, "found no attention to split in GPT2LMHeadModel"),
+    ("llama", {"microbatches": 2}, dict(cp=2, pp=2), {}, "not supported under pipeline parallelism"),
 ], ids=lambda v: v if isinstance(v, str) and len(v) < 12 else None)
-def test_what_minipar_cannot_split_exactly_is_refused_before_any_collective(pools, kind, options, message):
-    for out in pools.run(2, _refused, kind, options):
+def test_what_minipar_cannot_split_exactly_is_refused_before_any_collective(pools, kind, options, layout, tweak,
+                                                                           message):
+    world = 1
+    for size in layout.values():
+        world *= size
+    for out in pools.run(world, _refused, kind, options, layout, tweak):
         assert out is not None and message in out[0], out
         assert out[1] == [], out  # nothing was sent
+        assert out[2], out  # the model's attention is its own again

@@ -24,6 +24,12 @@ things, here:
    the loss and in every gradient): its loss function is given one counted target instead
    (`finite_if_empty`), a finite loss that the weight 0 removes.
 
+Hugging Face models (`minipar.context_parallel.hf_attention`): their attention modules get the
+same ``context_attention`` slot through an attention function registered with transformers, and
+their rotary embedding's position ids are mapped to the true positions. Taken when their attention
+is plain causal attention (Llama, Mistral without a sliding window, Qwen, ...; proven on the model
+when it is wrapped), not under pipeline parallelism.
+
 Parameters are replicated over cp like over dp: the data-parallel strategies treat dp x cp as
 their data axis (ZeRO shards over it). Attention dropout is refused (the masks of a split
 attention cannot match one process's).
@@ -52,6 +58,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..core.mesh import Mesh
+from .hf_attention import check_plain_causal, hf_attention_modules, rotary_modules, wire
 from .ring_attention import contiguous_positions, ring_attention, ulysses_attention, zigzag_positions
 
 FORMS = ("ring", "ulysses")
@@ -108,14 +115,33 @@ class ContextParallel:
         check_form(form)
         self.mesh, self.form = mesh, form or "ring"
         self.group, self.cp = mesh.group("cp"), mesh.cp
+        self._hf = hf_attention_modules(module)
+        if self._hf and mesh.pp > 1:
+            raise ValueError(f"context parallelism (cp={mesh.cp}) of a Hugging Face model ({type(module).__name__}) "
+                             "is not supported under pipeline parallelism (its stages compute their own position "
+                             "ids); use pp=1 with cp, or cp=1 with pp")
+        unwire = wire(module, mesh.cp) if self._hf else (lambda: None)
+        self._hooks: list = []
+        try:
+            self._wire(module, mesh)
+        except ValueError:  # the model is left as it was
+            unwire()
+            for h in self._hooks:
+                h.remove()
+            raise
+
+    def _wire(self, module: nn.Module, mesh: Mesh) -> None:
+        """Check the attention modules, hook the position modules, check the model token by token,
+        then give the attention modules ring or Ulysses attention (ValueError before any change of the
+        attention: the hooks are the caller's to remove)."""
         attns = attention_modules(module)
         if not attns:
             raise ValueError(f"context parallelism (cp={mesh.cp}) found no attention to split in "
                              f"{type(module).__name__}: it needs modules with q_proj and a context_attention "
-                             "slot (minipar.models.GPT's CausalSelfAttention); train this model with cp=1, or build "
-                             "its attention as such a module")
+                             "slot (minipar.models.GPT's CausalSelfAttention) or a Hugging Face model's attention "
+                             "(q_proj and a config); train this model with cp=1, or build its attention as such a module")
         for a in attns:
-            if a.dropout:
+            if getattr(a, "dropout", 0.0):
                 raise ValueError(f"attention dropout ({a.dropout}) under context parallelism is not supported: "
                                  "the masks of a split attention cannot match one process's; build the model "
                                  "with dropout=0.0 or use cp=1")
@@ -133,7 +159,9 @@ class ContextParallel:
         # micro-batches of split inputs, and a direct call runs one stage anyway: always armed.
         self._armed = mesh.pp > 1
         self._split_inputs: torch.Tensor | None = None
-        self._hooks = [m.register_forward_pre_hook(self._true_positions) for m in position_modules(module)]
+        self._hooks += [m.register_forward_pre_hook(self._true_positions) for m in position_modules(module)]
+        self._hooks += [m.register_forward_pre_hook(self._true_position_ids, with_kwargs=True)
+                        for m in rotary_modules(module)]
         self.check_token_wise(module, attns)  # ValueError here: no collective has run yet
         for a in attns:
             a.context_attention = self._attention
@@ -178,9 +206,21 @@ class ContextParallel:
             return None
         return (self.positions.to(args[0].device)[args[0]],) + tuple(args[1:])
 
-    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _true_position_ids(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
+        """A Hugging Face rotary embedding's ``position_ids`` (its second argument) -> true positions."""
+        if not self._armed or self.positions is None:
+            return None
+        if "position_ids" in kwargs:
+            return args, {**kwargs, "position_ids": self.positions.to(kwargs["position_ids"].device)[kwargs["position_ids"]]}
+        ids = args[1]
+        return (args[0], self.positions.to(ids.device)[ids]) + tuple(args[2:]), kwargs
+
+    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   original: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
+        """(B, H, T_local, D) each -> (B, H, T_local, D). ``original``: what the model computes unwired
+        (a Hugging Face attention, its mask and all), for a direct call."""
         if not self._armed:  # a direct call: this rank holds the whole sequence
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return original() if original is not None else F.scaled_dot_product_attention(q, k, v, is_causal=True)
         if self.form == "ring":
             return ring_attention(q, k, v, self.mesh.comm, self.group, self.seq_len)
         return ulysses_attention(q, k, v, self.mesh.comm, self.group)
@@ -222,7 +262,13 @@ class ContextParallel:
                 m.capacity_factor = float(m.n_experts)
             keys: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-            def record(q, k, v):
+            if self._hf:  # the model's own attention must be what ring and Ulysses compute
+                why = check_plain_causal(module, self._hf, ids, _close)
+                if why:
+                    raise ValueError(f"context parallelism (cp={self.cp}) runs causal attention over the split "
+                                     f"sequence, but {type(module).__name__} {why}; train it with cp=1")
+
+            def record(q, k, v, original=None):
                 keys.append((k, v))
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True)
             for a in attns:
@@ -234,7 +280,7 @@ class ContextParallel:
                     tokens, self.cp, rank, device=device)
                 calls = iter(keys)
 
-                def attend(q, k, v):  # this rank's queries over the whole sequence's keys, causally
+                def attend(q, k, v, original=None):  # this rank's queries over the whole sequence's keys, causally
                     full_k, full_v = next(calls)
                     mask = positions[:, None] >= torch.arange(tokens, device=q.device)[None, :]
                     return F.scaled_dot_product_attention(q, full_k, full_v, attn_mask=mask)
@@ -266,7 +312,8 @@ class ContextParallel:
                 f"rank {rank}'s tokens get other logits than the same tokens of the whole sequence (max difference "
                 f"{diff:.3g}" + (f"; the first module whose output differs is {culprit}" if culprit else "") + "). "
                 "minipar wires only its own attention (modules with q_proj or qkv_proj and a context_attention "
-                "slot, as minipar.models.GPT's) and the position modules (wpe, or takes_positions = True)"
+                "slot, as minipar.models.GPT's), a Hugging Face model's attention (q_proj and a config) and the "
+                "position modules (wpe, takes_positions = True, a Hugging Face *RotaryEmbedding)"
                 + (f"; not wired here: {', '.join(unknown)}" if unknown else "")
                 + ". Train this model with cp=1, or build its attention as a module minipar wires")
 

@@ -82,8 +82,9 @@ def hf_plan(module: nn.Module, tp: int, sequence_parallel: bool = False) -> dict
         conv = [n for n, m in module.named_modules() if type(m).__name__ == "Conv1D"]
         raise ValueError(
             f"the mesh has tp={tp} but {name} carries no tensor-parallel plan (its config's base_model_tp_plan "
-            "is empty)" + (f"; its projections ({conv[0]}, ...) are transformers' Conv1D, which minipar's "
-                           "tensor-parallel layers do not take (see check_plan)" if conv else "")
+            "is empty)" + (f"; its projections ({conv[0]}, ...) are transformers' Conv1D (an nn.Linear stored "
+                           "transposed; GPT-2's c_attn fuses q, k and v), which minipar's tensor-parallel layers do "
+                           "not take" if conv else "")
             + ": train it with tp=1 (data, ZeRO and pipeline parallelism take it as it is), or pass "
             "tp_plan={'module.pattern': 'colwise' | 'rowwise' | 'vocab', ...} over its nn.Linear / nn.Embedding modules")
     if sequence_parallel:
