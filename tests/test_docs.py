@@ -143,3 +143,14 @@ def test_the_layout_page_names_every_module():
         found = list(ROOT.glob(f"minipar/**/{name}.py")) + list(ROOT.glob(f"models/{name}.py")) + \
             list(ROOT.glob(f"benchmarks/{name}.py"))
         assert found, f"docs/architecture.md's Layout names {name}.py, which no longer exists"
+
+
+def test_the_readmes_test_command_is_what_ci_runs():
+    """.ci/run installs what the README's second command installs and then runs its `pytest`."""
+    readme = (ROOT / "README.md").read_text()
+    command = 'pip install torch==2.13.0 && pip install -e ".[test,plot]" && pytest'
+    assert command in readme, f"README.md lost its test command: {command}"
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "pip install --quiet torch==2.13.0" in ci and 'pip install --quiet -e ".[test,plot]"' in ci, \
+        ".ci/run installs something other than the README's test command"
+    assert ci.rstrip().splitlines()[-1] == "pytest", ".ci/run's last line is not the README's pytest"
