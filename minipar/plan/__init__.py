@@ -134,15 +134,33 @@ def _dp(model: ModelShape, cluster: Cluster, lay: Layout) -> F.DataParallelShape
                           bucket_cap_mb=25.0, reshard_after_forward=lay.pp == 1, cp=lay.cp)
 
 
+@lru_cache(maxsize=1024)
+def _stage_params(model: ModelShape, tp: int, ep: int, pp: int, stage: int) -> F.ParamSet:
+    """One stage's tensors on a tp/ep rank: the same whatever the strategy, micro-batch or recomputation."""
+    return model.stage_params(tp, ep, pp, stage)
+
+
 @lru_cache(maxsize=4096)
-def _stage_state(model: ModelShape, lay: Layout, dp: F.DataParallelShape, stage: int, m: int):
-    """(state bytes, dp calls summary, largest unit numel) of one stage's rank, for m micro-batches per
-    step: independent of recomputation, so cached across it (and across micro-batch sizes giving the
-    same m: the caller passes ``lay`` with micro_batch=1, recompute=False)."""
-    ps = model.stage_params(lay.tp, lay.ep, lay.pp, stage)
-    calls = F.dp_calls(ps, dp, backwards=m, pipeline=lay.pp > 1)
+def _stage_state(model: ModelShape, lay: Layout, dp: F.DataParallelShape, stage: int):
+    """(state bytes, largest unit numel, dp traffic per step, dp traffic per backward) of one stage's
+    rank: independent of recomputation and of the micro-batch size, so cached across them (the caller
+    passes ``lay`` with micro_batch=1, recompute=False). The step's dp traffic over m micro-batches is
+    per step + m x per backward: summing each repeated call once, never the whole list (for ZeRO-3
+    over 1,024 micro-batches it holds ~10^5 calls)."""
+    ps = _stage_params(model, lay.tp, lay.ep, lay.pp, stage)
     unit = max(sum(ps.tensors[i].numel() for i in u) for u in ps.units)
-    return F.state_bytes(ps, dp), F.summarize(calls), unit
+    per_step: list[F.Call] = []
+    per_backward: list[F.Call] = []
+    for calls, step_times, backward_times in F.dp_repeats(ps, dp, pipeline=lay.pp > 1):
+        per_step += calls * step_times
+        per_backward += calls * backward_times
+    return F.state_bytes(ps, dp), unit, F.summarize(per_step), F.summarize(per_backward)
+
+
+def _dp_traffic(per_step: dict, per_backward: dict, m: int) -> dict:
+    """{axis: {"bytes", "wire"}} of a step of m micro-batches (a new dict: the cached ones stay clean)."""
+    return {axis: {key: per_step.get(axis, {}).get(key, 0) + m * per_backward.get(axis, {}).get(key, 0)
+                   for key in ("bytes", "wire")} for axis in {**per_step, **per_backward}}
 
 
 def _link(axis: str, lay: Layout, cluster: Cluster) -> str:
@@ -177,7 +195,9 @@ def _predict(model: ModelShape, cluster: Cluster, global_batch: int, lay: Layout
     worst: dict = {}
     for stage in sorted({0, lay.pp - 1, min(1, lay.pp - 1)}):
         # micro-batch size and recomputation change neither the state nor the dp traffic (m carries the count)
-        state, dp_traffic, unit = _stage_state(model, replace(lay, micro_batch=1, recompute=False), dp, stage, m)
+        base = replace(lay, micro_batch=1, recompute=False)
+        state, unit, per_step, per_backward = _stage_state(model, base, dp, stage)
+        dp_traffic = _dp_traffic(per_step, per_backward, m)
         layers = model.stage_layers(lay.pp, stage)
         in_flight = min(lay.pp - stage, m)  # 1F1B: stage s holds p - s micro-batches at its peak
         full = layers * per_layer * in_flight
@@ -190,15 +210,16 @@ def _predict(model: ModelShape, cluster: Cluster, global_batch: int, lay: Layout
         mem["total"] = state["params"] + state["grads"] + state["optimizer"] + act + buffers
         if not worst or mem["total"] > worst["memory"]["total"]:
             worst = dict(stage=stage, memory=mem, dp_traffic=dp_traffic, layers=layers)
-    traffic = dict(worst["dp_traffic"])
+    traffic = worst["dp_traffic"]
     layers = worst["layers"]
     tp_calls = F.tp_calls(layers, tokens * model.hidden * act_b, lay.tp, True)
     if lay.recompute:
         tp_calls += F.tp_calls(layers, tokens * model.hidden * act_b, lay.tp, True, backward=False)
-    for name, calls in (("tp", tp_calls * m), ("pp", F.pp_calls(min(1, lay.pp - 1), lay.pp, m, boundary)),
-                        ("cp", F.ring_calls(layers, lay.micro_batch, max(1, model.kv_heads // lay.tp), model.seq,
-                                            model.head_dim, lay.cp, act_b) * m)):
-        traffic.update(F.summarize(calls))
+    # each is issued once per micro-batch: summarize one micro-batch's calls, times m
+    for calls in (tp_calls, F.pp_calls(min(1, lay.pp - 1), lay.pp, 1, boundary),
+                  F.ring_calls(layers, lay.micro_batch, max(1, model.kv_heads // lay.tp), model.seq,
+                               model.head_dim, lay.cp, act_b)):
+        traffic.update(F.summarize(calls, times=m))
     if lay.ep > 1:
         moe = sum(1 for i in range(model.layers) if i >= model.dense_layers) * layers // model.layers
         sent = F.ep_bytes(tokens // lay.tp, model.top_k, model.hidden, act_b, moe) * m
@@ -228,11 +249,17 @@ def _refusal(model: ModelShape, cluster: Cluster, global_batch: int, lay: Layout
     return ""
 
 
+@lru_cache(maxsize=64)
+def _active_params(model: ModelShape) -> int:
+    """`ModelShape.params(active=True)`, once per model rather than once per layout (it sums every layer)."""
+    return model.params(active=True)
+
+
 def _times(model: ModelShape, cluster: Cluster, global_batch: int, lay: Layout, m: int, traffic: dict,
            mem: dict) -> dict:
     gpus = lay.tp * lay.pp * lay.dp * lay.cp
     tokens = global_batch * model.seq
-    active = model.params(active=True)
+    active = _active_params(model)
     flops = F.training_flops(active, tokens, model.layers, model.seq, model.hidden, lay.recompute)
     compute = flops / (gpus * cluster.peak_flops * cluster.efficiency)
     bubble = compute * (lay.pp - 1) / m

@@ -237,28 +237,30 @@ def dp_calls(ps: ParamSet, dp: DataParallelShape, backwards: int = 1, pipeline: 
     micro-batches (no_sync on all but the last, as `ShardedModule` accumulates).
 
     DDP and ZeRO-1 reduce once per step; ZeRO-2 and ZeRO-3 at every backward, except under a pipeline
-    (once, from p.grad). ZeRO-1/2 all-gather each group after the step. ZeRO-3 gathers the root unit
-    once per forward, every other unit once per forward and again in backward when it reshards after
-    forward (under a pipeline, where it does not: once per step). HSDP all-reduces each gradient shard
-    over the replicas once per step."""
+    (once, from p.grad). ZeRO-1/2 all-gather each group after the step. ZeRO-3 gathers as `zero3_gathers`
+    says. HSDP all-reduces each gradient shard over the replicas once per step."""
+    return [c for calls, per_step, per_backward in dp_repeats(ps, dp, pipeline)
+            for c in calls * (per_step + per_backward * backwards)]
+
+
+def dp_repeats(ps: ParamSet, dp: DataParallelShape, pipeline: bool = False) -> list[tuple[list[Call], int, int]]:
+    """`dp_calls` as [(calls, times per step, times per backward)], to sum without listing each call."""
     groups, out = flat_groups(ps, dp), []
     sizes = {dp.grad_axis: dp.dp, "dp_shard": dp.shards, "edp": dp.edp}
     if dp.strategy == "ddp":
-        for g in groups:
-            out += call("all_reduce", g.axis, sizes[g.axis], "grad", g.layout.numel * dp.param)
-        return out
-    zero3 = dp.strategy == "zero3"
-    reductions = 1 if dp.strategy == "zero1" or pipeline else backwards
+        return [(call("all_reduce", g.axis, sizes[g.axis], "grad", g.layout.numel * dp.param), 1, 0) for g in groups]
+    zero3, once = dp.strategy == "zero3", dp.strategy == "zero1" or pipeline  # once: reduce once per step
     for g in groups:
         n = sizes[g.axis]
-        out += call("reduce_scatter", g.axis, n, "grad", g.layout.padded * dp.grad_bytes) * reductions
+        out.append((call("reduce_scatter", g.axis, n, "grad", g.layout.padded * dp.grad_bytes), int(once), int(not once)))
         if g.axis == "dp_shard":
-            out += call("all_reduce", "dp_replicate", dp.replicas, "grad", g.layout.shard_size * dp.grad_bytes)
+            out.append((call("all_reduce", "dp_replicate", dp.replicas, "grad", g.layout.shard_size * dp.grad_bytes), 1, 0))
         if not zero3:
-            out += call("all_gather", g.axis, n, "param", g.layout.padded * dp.param)
-    if zero3:
-        for g, gathers in zip(groups, zero3_gathers(ps, dp, backwards, pipeline)):
-            out += call("all_gather", g.axis, sizes[g.axis], "param", g.layout.padded * dp.param) * gathers
+            out.append((call("all_gather", g.axis, n, "param", g.layout.padded * dp.param), 1, 0))
+    if zero3:  # zero3_gathers of one backward: per step under a pipeline, else per backward
+        for g, gathers in zip(groups, zero3_gathers(ps, dp, 1, pipeline)):
+            gather = call("all_gather", g.axis, sizes[g.axis], "param", g.layout.padded * dp.param)
+            out.append((gather, gathers, 0) if pipeline else (gather, 0, gathers))
     return out
 
 
@@ -337,13 +339,17 @@ def ep_bytes(tokens: int, top_k: int, hidden: int, dtype, moe_layers: int) -> in
     return 4 * tokens * top_k * hidden * dtype_bytes(dtype) * moe_layers
 
 
-def summarize(calls: Sequence[Call]) -> dict[str, dict[str, int]]:
-    """{axis: {"bytes", "wire"}} summed over ``calls``."""
+def summarize(calls: Sequence[Call], times: int = 1) -> dict[str, dict[str, int]]:
+    """{axis: {"bytes", "wire"}} summed over ``calls`` issued ``times`` times (summing one micro-batch's
+    list and scaling it: the list of all m held millions of calls)."""
     out: dict[str, dict[str, int]] = {}
     for c in calls:
         row = out.setdefault(c.axis, {"bytes": 0, "wire": 0})
         row["bytes"] += c.bytes
         row["wire"] += c.wire
+    for row in out.values():
+        row["bytes"] *= times
+        row["wire"] *= times
     return out
 
 
