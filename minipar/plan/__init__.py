@@ -13,7 +13,9 @@ measures), drops those that do not fit, and ranks the rest by a roofline step ti
     step      = compute + bubble + exposed
 
 each traffic figure being wire bytes over the bandwidth of its link class: a group whose ranks fit in
-one node talks over NVLink, any other over the network. ``python -m minipar.plan`` prints it.
+one node talks over NVLink, any other over the network. Equal step times (common: the backward hides
+every data-parallel strategy's traffic alike) are broken by the bytes moved per step, then by memory
+(`rank_key`). ``python -m minipar.plan`` prints it (docs/planner.md).
 """
 
 from __future__ import annotations
@@ -21,11 +23,13 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
+from typing import Callable
 
 from minipar.plan import formulas as F
 from minipar.core.comm import wire_bytes
 
 from .presets import H100, MODELS, Cluster, ModelShape
+from .readable import size
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "hsdp")
 MEMORY_HEADROOM = 0.9  # allocator fragmentation and the framework's own buffers: plan for 90%
@@ -228,7 +232,8 @@ def _predict(model: ModelShape, cluster: Cluster, global_batch: int, lay: Layout
         row["link"] = _link(axis, lay, cluster)
     return dict(layout=lay.name, **asdict(lay), gpus=gpus, microbatches=m, feasible=not why, why=why,
                 **_times(model, cluster, global_batch, lay, m, traffic, worst["memory"]), memory=worst["memory"],
-                comm=traffic, comm_by_link=_by_link(traffic), worst_stage=worst["stage"])
+                comm=traffic, comm_by_link=_by_link(traffic), wire_per_step=sum(_by_link(traffic).values()),
+                worst_stage=worst["stage"])
 
 
 def _refusal(model: ModelShape, cluster: Cluster, global_batch: int, lay: Layout) -> str:
@@ -309,19 +314,33 @@ def layouts(model: ModelShape, cluster: Cluster, global_batch: int) -> list[Layo
     return out
 
 
+def rank_key(result: dict) -> tuple:
+    """How `plan` orders layouts: fastest first; among those whose step times agree to 9 significant
+    digits (the same time but for float rounding: e.g. every data-parallel strategy whose traffic the
+    backward hides), the one moving fewer bytes per step (wire bytes, every axis and link), then the
+    one needing less memory per GPU, then by name (a stable order)."""
+    return (float(f"{result['step_s']:.9g}"), result["wire_per_step"], result["memory"]["total"], result["layout"])
+
+
 def plan(model: ModelShape | str, cluster: Cluster | None = None, global_batch: int = 1024,
-         top: int | None = None) -> dict:
-    """{"layouts": the feasible layouts, fastest first (each `evaluate`'s dict), "model", "cluster",
+         top: int | None = None, progress: Callable[[int, int], None] | None = None) -> dict:
+    """{"layouts": the feasible layouts, best first (`rank_key`; each `evaluate`'s dict), "model", "cluster",
     "global_batch", "rejected": how many did not fit, "closest": the smallest infeasible one when none fits}.
+    ``progress(done, total)`` is called after each layout predicted (`minipar.plan.progress.Progress`).
     ValueError for nonsense inputs (`validate`)."""
     if isinstance(model, str) and model not in MODELS:
         raise ValueError(f"unknown model {model!r}; the presets are {', '.join(MODELS)}")
     model = MODELS[model] if isinstance(model, str) else model
     cluster = cluster or H100
     validate(model, cluster, global_batch, top)
-    # layouts() keeps only those _refusal lets through: predict them without asking it again
-    results = [_predict(model, cluster, global_batch, lay, "") for lay in layouts(model, cluster, global_batch)]
-    fits = sorted((r for r in results if r["fits"]), key=lambda r: (r["step_s"], r["memory"]["total"]))
+    candidates = layouts(model, cluster, global_batch)
+    results = []
+    for done, lay in enumerate(candidates, 1):
+        # layouts() keeps only those _refusal lets through: predict them without asking it again
+        results.append(_predict(model, cluster, global_batch, lay, ""))
+        if progress is not None:
+            progress(done, len(candidates))
+    fits = sorted((r for r in results if r["fits"]), key=rank_key)
     out = dict(model=asdict(model), cluster=asdict(cluster), global_batch=global_batch,
                layouts=fits[:top] if top else fits, rejected=len(results) - len(fits))
     if not fits:
@@ -329,6 +348,6 @@ def plan(model: ModelShape | str, cluster: Cluster | None = None, global_batch: 
         out["closest"] = closest
         out["why"] = ("no layout was possible for this model and GPU count" if closest is None else
                       f"nothing fits: the smallest layout, {closest['layout']}, needs "
-                      f"{closest['memory']['total'] / 2**30:.1f} GiB per GPU, more than "
-                      f"{MEMORY_HEADROOM:.0%} of {cluster.memory / 2**30:.1f} GiB")
+                      f"{size(closest['memory']['total'])} per GPU, more than "
+                      f"{MEMORY_HEADROOM:.0%} of {size(cluster.memory)}")
     return out

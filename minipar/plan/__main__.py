@@ -1,8 +1,9 @@
-"""``python -m minipar.plan --model llama3-70b --gpus 64``: the feasible layouts, fastest first.
+"""The layouts of a model that fit a cluster, best first: memory per GPU, traffic per step, a step time.
 
-``--json`` prints {"layouts": [...]} for tools; ``--explain LAYOUT`` (a name from the table, e.g.
-tp8.pp4.dp2.cp1.ep1.zero1.mbs1.norc) shows the arithmetic behind one layout's figures. A model is a
-preset (``--model``), a Hugging Face-style config.json (``--config``), or flags overriding either.
+``python -m minipar.plan --model llama3-70b --gpus 64``. ``--json`` prints {"layouts": [...]} for tools;
+``--explain LAYOUT`` (a name from the table, e.g. tp8.pp4.dp2.cp1.ep1.zero1.mbs1.norc) shows the
+arithmetic behind one layout's figures. A model is a preset (``--model``), a Hugging Face-style
+config.json (``--config``), or flags overriding either. docs/planner.md explains the output.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from dataclasses import replace
 
 from . import MEMORY_HEADROOM, Layout, evaluate, plan, validate
 from .presets import H100, MODELS, ModelShape
+from .progress import Progress
+from .report import explain, table
 
-GIB = 2**30
 HF_KEYS = {"num_hidden_layers": "layers", "hidden_size": "hidden", "num_attention_heads": "heads",
            "num_key_value_heads": "kv_heads", "intermediate_size": "ffn", "vocab_size": "vocab",
            "max_position_embeddings": "seq", "n_routed_experts": "experts", "num_experts_per_tok": "top_k",
@@ -54,23 +56,58 @@ def model_from(args) -> ModelShape:
     return replace(base, **fields)
 
 
+MODEL_HELP = {"layers": "transformer blocks", "hidden": "model width (hidden size)", "heads": "attention heads",
+              "kv_heads": "key/value heads (grouped-query attention; a custom model: --heads)",
+              "ffn": "MLP width (intermediate size)", "vocab": "vocabulary size", "seq": "sequence length in tokens",
+              "experts": "routed experts per MoE layer (0: a dense model)", "top_k": "experts each token is routed to",
+              "moe_ffn": "one expert's MLP width"}
+EXAMPLES = """examples:
+  python -m minipar.plan --model llama3-70b --gpus 64 --global-batch 1024
+  python -m minipar.plan --config config.json --gpus 16 --top 5 --json
+  python -m minipar.plan --model gpt2-124m --gpus 2 --global-batch 64 --explain tp1.pp1.dp2.cp1.ep1.zero1.mbs1.norc
+docs/planner.md says what the figures mean and how the ranking is made."""
+
+
 def parse(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m minipar.plan", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", choices=sorted(MODELS))
-    ap.add_argument("--config", help="a Hugging Face-style config.json")
+    """(the parser, the parsed arguments). Every option says what it is and its default (``--help``)."""
+    ap = argparse.ArgumentParser(prog="python -m minipar.plan", description=__doc__.split("\n\n")[0],
+                                 epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    model = ap.add_argument_group("the model (a preset, a config.json, or every size flag; flags override either)")
+    model.add_argument("--model", choices=sorted(MODELS), metavar="NAME",
+                       help=f"a preset: {', '.join(sorted(MODELS))} (default: none; give --model or --config)")
+    model.add_argument("--config", metavar="PATH", help="a Hugging Face-style config.json (default: none)")
     for k in FLAGS:
-        ap.add_argument(f"--{k.replace('_', '-')}", type=int)
-    ap.add_argument("--gpus", type=int, default=8, help="GPUs in all (a multiple of --gpus-per-node)")
-    ap.add_argument("--gpus-per-node", type=int, default=H100.gpus_per_node)
-    ap.add_argument("--memory-gb", type=float, default=H100.memory / 1e9)
-    ap.add_argument("--peak-tflops", type=float, default=H100.peak_flops / 1e12)
-    ap.add_argument("--intra-gbps", type=float, default=H100.intra_bw / 1e9, help="GB/s per GPU inside a node")
-    ap.add_argument("--inter-gbps", type=float, default=H100.inter_bw / 1e9, help="GB/s per GPU across nodes")
-    ap.add_argument("--efficiency", type=float, default=H100.efficiency)
-    ap.add_argument("--global-batch", type=int, default=1024, help="sequences per step")
-    ap.add_argument("--top", type=int, default=10)
-    ap.add_argument("--json", action="store_true")
-    ap.add_argument("--explain", metavar="LAYOUT")
+        model.add_argument(f"--{k.replace('_', '-')}", type=int, metavar="N",
+                           help=f"{MODEL_HELP[k]} (default: the preset's or config's)")
+    cluster = ap.add_argument_group("the cluster (default: H100 nodes of 8)")
+    cluster.add_argument("--gpus", type=int, default=8, metavar="N",
+                         help="GPUs in all: a multiple of --gpus-per-node, or fewer (one node of that many) "
+                              "(default: %(default)s)")
+    cluster.add_argument("--gpus-per-node", type=int, default=H100.gpus_per_node, metavar="N",
+                         help="GPUs per node, joined by NVLink (default: %(default)s)")
+    cluster.add_argument("--memory-gb", type=float, default=H100.memory / 1e9, metavar="GB",
+                         help="memory per GPU in GB (10^9 bytes); layouts must fit in "
+                              f"{MEMORY_HEADROOM:.0%}% of it (default: %(default)g)")
+    cluster.add_argument("--peak-tflops", type=float, default=H100.peak_flops / 1e12, metavar="TFLOPS",
+                         help="dense bf16 peak per GPU (default: %(default)g)")
+    cluster.add_argument("--intra-gbps", type=float, default=H100.intra_bw / 1e9, metavar="GB/s",
+                         help="bandwidth per GPU per direction inside a node (default: %(default)g)")
+    cluster.add_argument("--inter-gbps", type=float, default=H100.inter_bw / 1e9, metavar="GB/s",
+                         help="bandwidth per GPU per direction across nodes (default: %(default)g)")
+    cluster.add_argument("--efficiency", type=float, default=H100.efficiency, metavar="SHARE",
+                         help="the share of peak a large matmul-bound step reaches, in (0, 1] (default: %(default)g)")
+    run = ap.add_argument_group("the search and its output")
+    run.add_argument("--global-batch", type=int, default=1024, metavar="N",
+                     help="sequences per optimizer step (default: %(default)s)")
+    run.add_argument("--top", type=int, default=10, metavar="N", help="how many layouts to list (default: %(default)s)")
+    run.add_argument("--json", action="store_true",
+                     help='print {"layouts": [...]} with every figure, for tools (default: a table)')
+    run.add_argument("--explain", metavar="LAYOUT",
+                     help="show the arithmetic behind one layout, named as in the table, e.g. "
+                          "tp8.pp4.dp2.cp1.ep1.zero1.mbs1.norc (default: none: list the best layouts)")
+    run.add_argument("--progress-after", type=float, default=3.0, metavar="SECONDS",
+                     help="a search still running after this long prints a progress line with an ETA on "
+                          "stderr; 0: always, inf: never (default: %(default)g)")
     return ap, ap.parse_args(argv)
 
 
@@ -86,7 +123,8 @@ def main(argv=None) -> int:
     if layout is not None:
         print(explain(model, cluster, args.global_batch, layout))
         return 1 if evaluate(model, cluster, args.global_batch, layout)["why"] else 0
-    result = plan(model, cluster, args.global_batch, top=args.top)
+    progress = Progress(f"{model.name} on {cluster.gpus} GPUs", after=args.progress_after)
+    result = plan(model, cluster, args.global_batch, top=args.top, progress=progress)
     if args.json:
         print(json.dumps(result, indent=1))
     else:
@@ -102,6 +140,8 @@ def inputs(args):
     for flag in ("gpus", "gpus_per_node"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be at least 1")
+    if not args.progress_after >= 0:  # nan fails the comparison too
+        raise ValueError(f"--progress-after {args.progress_after} must be seconds >= 0 (inf: never)")
     for flag in ("memory_gb", "peak_tflops", "intra_gbps", "inter_gbps", "efficiency"):
         if not 0 < getattr(args, flag) < math.inf:
             raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be a finite number > 0")
@@ -113,56 +153,6 @@ def inputs(args):
                       intra_bw=args.intra_gbps * 1e9, inter_bw=args.inter_gbps * 1e9, efficiency=args.efficiency)
     validate(model, cluster, args.global_batch, args.top)
     return model, cluster
-
-
-def table(result: dict) -> str:
-    m, c = result["model"], result["cluster"]
-    lines = [f"{m['name']} on {c['gpus_per_node'] * c['nodes']} GPUs ({c['nodes']} node(s) of {c['gpus_per_node']}, "
-             f"{c['memory'] / 1e9:.0f} GB), global batch {result['global_batch']} x {m['seq']} tokens"]
-    if not result["layouts"]:
-        return "\n".join(lines + [result["why"]])
-    lines.append(f"{'layout':44} {'m':>4} {'step s':>8} {'MFU':>5} {'bubble':>6} {'mem GiB':>8} {'state':>6} "
-                 f"{'act':>6} {'intra GB':>9} {'inter GB':>9}")
-    for r in result["layouts"]:
-        mem = r["memory"]
-        state = mem["params"] + mem["grads"] + mem["optimizer"]
-        lines.append(f"{r['layout']:44} {r['microbatches']:>4} {r['step_s']:>8.2f} {r['mfu']:>5.2f} "
-                     f"{r['bubble']:>6.2f} {mem['total'] / GIB:>8.1f} {state / GIB:>6.1f} {mem['activations'] / GIB:>6.1f} "
-                     f"{r['comm_by_link']['intra'] / 1e9:>9.2f} {r['comm_by_link']['inter'] / 1e9:>9.2f}")
-    lines.append(f"({result['rejected']} layouts do not fit in {MEMORY_HEADROOM:.0%} of memory; --json for every "
-                 "figure, --explain LAYOUT for the arithmetic)")
-    return "\n".join(lines)
-
-
-def explain(model: ModelShape, cluster, global_batch: int, lay: Layout) -> str:
-    r = evaluate(model, cluster, global_batch, lay)
-    if r["why"]:
-        return f"{lay.name}: not a layout for {model.name} on {cluster.gpus} GPUs: {r['why']}"
-    mem, gib = r["memory"], lambda b: f"{b / GIB:.2f} GiB"  # noqa: E731
-    dp = r["dp"] * r["cp"]
-    lines = [f"{lay.name} for {model.name} ({model.params() / 1e9:.1f}B parameters, "
-             f"{model.params(True) / 1e9:.1f}B active) on {cluster.gpus} GPUs; worst stage {r['worst_stage']}",
-             "memory per rank (minipar.plan.formulas.state_bytes over this stage's tp/ep shard, padding exact):",
-             f"  params {gib(mem['params'])}, grads {gib(mem['grads'])}, optimizer {gib(mem['optimizer'])}"
-             f"   [{lay.strategy}: bf16 params/grads, fp32 master + 2 moments, sharded over {dp} dp x cp ranks]"
-             if lay.strategy != "ddp" else
-             f"  params {gib(mem['params'])}, grads {gib(mem['grads'])}, optimizer {gib(mem['optimizer'])}   [ddp: 4 + 4 + 8 bytes/param]",
-             f"  activations {gib(mem['activations'])} (without recomputation {gib(mem['activations_full'])}, with "
-             f"{gib(mem['activations_recompute'])}): layers x in-flight micro-batches (1F1B: min(pp - stage, m)) x "
-             f"layer_activation_bytes(micro-batch {lay.micro_batch} x seq {model.seq} / cp {lay.cp}, /tp {lay.tp} with sp) + logits",
-             f"  buffers {gib(mem['buffers'])}; total {gib(mem['total'])} of {MEMORY_HEADROOM:.0%} x "
-             f"{gib(cluster.memory)}: {'fits' if r['fits'] else 'does NOT fit'}",
-             "communication per step per rank (wire bytes; ring algorithm):"]
-    for axis, row in r["comm"].items():
-        lines.append(f"  {axis:13} {row['bytes'] / 1e9:10.3f} GB payload  {row['wire'] / 1e9:10.3f} GB on the wire  "
-                     f"{row['link']}-node -> {r['comm_s'][axis]:.3f} s")
-    lines += [f"time: compute = 6·N·tokens (+ attention{', 8·N with recomputation' if lay.recompute else ''}) / "
-              f"(GPUs · {cluster.peak_flops / 1e12:.0f} TFLOP/s · {cluster.efficiency}) = {r['compute_s']:.3f} s",
-              f"      bubble = compute · (pp - 1) / m = {r['compute_s']:.3f} · {lay.pp - 1} / {r['microbatches']} = "
-              f"{r['bubble_s']:.3f} s  ((p-1)/(m+p-1) = {r['bubble']:.3f} of the step)",
-              "      exposed communication: " + ", ".join(f"{k} {v:.3f} s" for k, v in r["exposed_s"].items()),
-              f"      step = {r['step_s']:.3f} s; {r['tokens_per_s']:,.0f} tokens/s; MFU {r['mfu']:.3f}"]
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":
