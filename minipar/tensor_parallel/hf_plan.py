@@ -90,11 +90,22 @@ def hf_plan(module: nn.Module, tp: int, sequence_parallel: bool = False) -> dict
     if sequence_parallel:
         raise ValueError(f"sequence_parallel=True with {name}'s own tensor-parallel plan: transformers' plans have "
                          "no sequence-parallel form; pass sequence_parallel=False, or your own tp_plan")
+    plan, refused = translate(module)
+    if refused:
+        raise ValueError(f"the mesh has tp={tp} and {name}'s own tensor-parallel plan (model.tp_plan) has entries "
+                         "minipar cannot reproduce exactly: " + "; ".join(refused) + ". Pass tp_plan= yourself, "
+                         f"e.g. the entries minipar translates, which leave those modules whole on every tp rank: {plan}")
+    return plan
+
+
+def translate(module: nn.Module) -> tuple[dict[str, str], list[str]]:
+    """(the entries of ``module.tp_plan`` minipar reproduces exactly, in its styles; the others, each with
+    why). The first alone is a plan that leaves the others' modules whole on every tp rank."""
     modules = [n for n, _ in module.named_modules() if n]
     parameters = [n for n, _ in module.named_parameters()]
     plan: dict[str, str] = {}
     refused: list[str] = []
-    for pattern, style in own.items():
+    for pattern, style in module.tp_plan.items():
         if not any(fnmatch.fnmatchcase(n, pattern) for n in modules):
             if any(fnmatch.fnmatchcase(n, pattern) for n in parameters):
                 refused.append(f"{pattern!r}: {style!r} names parameters, which transformers shards inside "
@@ -105,8 +116,4 @@ def hf_plan(module: nn.Module, tp: int, sequence_parallel: bool = False) -> dict
         elif style not in WHOLE:
             refused.append(f"{pattern!r}: {style!r} " + WHY_REFUSED.get(
                 style, f"is not a style minipar translates (it does: {', '.join(EXACT)}, {', '.join(WHOLE)})"))
-    if refused:
-        raise ValueError(f"the mesh has tp={tp} and {name}'s own tensor-parallel plan (model.tp_plan) has entries "
-                         "minipar cannot reproduce exactly: " + "; ".join(refused) + ". Pass tp_plan= yourself, "
-                         f"e.g. the entries minipar translates, which leave those modules whole on every tp rank: {plan}")
-    return plan
+    return plan, refused
