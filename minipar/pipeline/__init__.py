@@ -1,5 +1,6 @@
 """Pipeline parallelism: schedules as data, stages of any block-sequential model, and the executor that runs a schedule."""
 
+from .abort import PipelineAborted
 from .executor import run_schedule
 from .schedule import (KINDS, SCHEDULES, Action, Schedule, chunks_per_rank, gpipe, holder, interleaved_1f1b,
                        one_f_one_b, virtual_stage, zb_h1, zb_v)
@@ -15,4 +16,4 @@ __all__ = ["Action", "KINDS", "SCHEDULES", "Schedule", "gpipe", "one_f_one_b", "
            "gpt_spec", "hf_gpt2_spec", "hf_llama_spec", "balanced_boundaries",
            "default_boundaries", "resolve_boundaries", "stage_params", "sync_tied_grads", "run_schedule",
            "RankTimeline", "chrome_trace", "draw_timeline", "measured_bubble", "timeline_title", "write_trace",
-           "backward_input", "WeightGrad", "Pipeline", "PipelineConfig"]
+           "backward_input", "WeightGrad", "Pipeline", "PipelineConfig", "PipelineAborted"]

@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from ..core.mesh import AxisGroup, Mesh
@@ -63,6 +64,7 @@ def run_schedule(stage: nn.Module, schedule: Schedule, mesh: Mesh, inputs: list[
         spans = []
     pp = mesh.group("pp")
     groups = {"pp_act": pp, "pp_grad": grad_group or pp}
+    readable = mesh.device.type == "cpu" or dist.get_backend(pp.pg) == "gloo"  # markers come through the host
     comm = mesh.comm
     p, rank, pieces = pp.size, pp.rank, pp.size * schedule.chunks
     split = any(a.kind == "W" for a in schedule[rank])  # B is the input's gradient only, W the weights'
@@ -107,7 +109,7 @@ def run_schedule(stage: nn.Module, schedule: Schedule, mesh: Mesh, inputs: list[
                 else:
                     buf = torch.empty(act_shape, dtype=act_dtype, device=mesh.device)
                     comm.recv(buf, src_rank, groups[tag], tag=tag)
-                    told = read_marker(buf)  # another stage failed: stop now, not at the timeout
+                    told = read_marker(buf, readable)  # another stage failed: stop now, not at the timeout
                     if told is not None:
                         raise PipelineAborted(told, f"pipeline stage {rank} (rank {mesh.rank}) at {a}", src_rank)
                 if a.kind == "RECV_ACT":
@@ -152,8 +154,9 @@ def run_schedule(stage: nn.Module, schedule: Schedule, mesh: Mesh, inputs: list[
     except Exception as e:  # tell the stages waiting on this one, then raise here
         failure = e.origin if isinstance(e, PipelineAborted) else \
             f"pipeline stage {rank} (rank {mesh.rank}) failed at {actions[at]}: {type(e).__name__}: {e}"
-        kept = send_markers(actions[at:], route, torch.empty(act_shape, dtype=act_dtype, device=mesh.device),
-                            failure, comm.send, skip=e.sender if isinstance(e, PipelineAborted) else None)
+        kept = [] if not readable else \
+            send_markers(actions[at:], route, torch.empty(act_shape, dtype=act_dtype, device=mesh.device),
+                         failure, comm.send, skip=e.sender if isinstance(e, PipelineAborted) else None)
         if abandoned is not None:
             abandoned.extend(pending + kept)
         raise
