@@ -67,12 +67,10 @@ def check_same_ranks(pairs) -> None:
 
 def main() -> int:
     ap = harness.parser(__doc__, steps=15, warmup=3, batch=8, seq=128, vocab=2048, n_layer=4,
-                        n_embd=256, n_head=4, lr=1e-3, smoke=SMOKE, json=None,
-                        help={"warmup": "untimed steps first (>= 1); the last one is counted",
-                              "batch": "sequences per data-parallel rank per step"})
-    ap.add_argument("--microbatches", type=int, default=4, help="micro-batches per step of zero3_pp")
-    ap.add_argument("--check-steps", type=int, default=3, help="first steps whose losses are compared")
-    ap.add_argument("--tolerance", type=float, default=1e-4)
+                        n_embd=256, n_head=4, lr=1e-3, smoke=SMOKE, json=None, microbatches=4, check_steps=3,
+                        tolerance=1e-4, help={"warmup": "untimed steps first (>= 1); the last one is counted",
+                                              "batch": "sequences per data-parallel rank per step",
+                                              "microbatches": "micro-batches per step of zero3_pp"})
     args = ap.parse_args()
     if args.steps < 1 or args.warmup < 1:
         ap.error("--steps and --warmup must be >= 1")

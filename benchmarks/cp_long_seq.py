@@ -179,9 +179,8 @@ def try_torch(args, cfg, cp: int, device: torch.device) -> tuple[TorchRun | None
 
 def main() -> int:
     args = parse_args()
-    base = harness.init()
+    base = harness.init(exact=True)  # on a GPU, the layouts must not round matmul inputs to TF32
     world, rank, device = base.world_size, base.rank, base.device
-    torch.backends.cuda.matmul.allow_tf32 = False  # on a GPU, the layouts must not round matmul inputs to TF32
     cfg = harness.gpt_config(args, dropout=0.0, seed=0)
     runs = [MiniparRun(args, cfg, 1, None)]
     runs += [MiniparRun(args, cfg, c, form) for c in args.cp_sizes if c > 1 for form in args.forms]

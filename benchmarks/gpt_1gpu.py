@@ -32,13 +32,13 @@ import torch
 import torch.nn.functional as F
 
 import minipar
-from minipar import MixedPrecision, ShardedModule
+from minipar import ShardedModule
 from minipar.models import GPT, GPTConfig
 from minipar.models.data import markov_batch
 from minipar.core.syncs import count_host_syncs
 
 import harness
-from gpt_tp_pp import matmul_params, peak_flops
+from gpt_tp_pp import model_flops, peak_flops
 from step_profile import profile_steps, table
 
 PRESETS = {
@@ -99,9 +99,7 @@ class Runner:
             self.forward = torch.compile(self.model) if mode == "compile" else self.model
             self.autocast = torch.autocast(device.type, dtype=torch.bfloat16)
         else:
-            self.model = ShardedModule(GPT(cfg), mesh=mesh, strategy="zero1",
-                                       mixed_precision=MixedPrecision(param_dtype=torch.bfloat16,
-                                                                      reduce_dtype=torch.float32))
+            self.model = ShardedModule(GPT(cfg), mesh=mesh, strategy="zero1", mixed_precision=harness.BF16)
             if mode == "minipar_compile":
                 self.model.module.compile(fullgraph=True)
             self.opt = self.model.build_optimizer(torch.optim.AdamW, lr=lr, weight_decay=0.1)
@@ -219,10 +217,7 @@ def main(argv=None) -> int:
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # what a training run would use
     cfg = config(args)
-    full = GPT(cfg)
-    n_params, n_matmul = sum(p.numel() for p in full.parameters()), matmul_params(full)
-    del full
-    flops_per_token = 6 * n_matmul + 12 * cfg.n_layer * args.seq * cfg.n_embd
+    n_params, flops_per_token = model_flops(GPT(cfg), args.seq)
     peak, peak_note = peak_flops(args, device.type != "cuda")
     flash = flash_attention_runs(cfg, device)
     name = torch.cuda.get_device_name() if cuda else "CPU"

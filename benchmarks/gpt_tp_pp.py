@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 import minipar
-from minipar import MixedPrecision, ShardedModule, checkpoint
+from minipar import ShardedModule, checkpoint
 from minipar.models import GPT, GPTConfig, MoEGPT, MoEGPTConfig, gpt_loss
 from minipar.models.data import markov_batch
 from minipar.moe.layer import moe_layers
@@ -53,10 +53,11 @@ STEADY_FROM = 3     # the first steps warm up allocators and process groups: not
 
 def parse_args():
     ap = harness.parser(__doc__, steps=30, batch=8, seq=None, vocab=None, n_layer=None, n_embd=None, n_head=None,
-                        lr=3e-3, help={"batch": "sequences per data-parallel rank per step"})
+                        lr=3e-3, microbatches=4, check_steps=3, tolerance=1e-4,
+                        help={"batch": "sequences per data-parallel rank per step",
+                              "tolerance": "largest fp32 loss difference to the reference"})
     add = ap.add_argument
-    for flag, default in (("--tp", 2), ("--pp", 2), ("--microbatches", 4), ("--check-steps", 3), ("--experts", 4),
-                          ("--top-k", 2), ("--checkpoint-every", 10)):
+    for flag, default in (("--tp", 2), ("--pp", 2), ("--experts", 4), ("--top-k", 2), ("--checkpoint-every", 10)):
         add(flag, type=int, default=default)
     add("--dp", type=int, default=None, help="default: world / (tp * cp * pp)")
     add("--cp", type=int, default=1, help="context-parallel size: the ranks that split each sequence")
@@ -67,7 +68,6 @@ def parse_args():
     add("--virtual-stages", type=int, default=None, help="model chunks per rank for interleaved_1f1b (default 2)")
     add("--model", default="tiny", choices=sorted(PRESETS), help="shape preset (see above)")
     add("--dtype", default=None, choices=("fp32", "bf16"), help="default: bf16 on CUDA (fp32 with ddp), fp32 on CPU")
-    add("--tolerance", type=float, default=1e-4, help="largest fp32 loss difference to the reference")
     add("--check-bubble", type=float, default=None, metavar="PCT",
         help="exit 1 if the measured bubble is more than PCT percent away from the schedule's theory")
     add("--peak-tflops", type=float, default=None, help="one GPU's peak bf16 TFLOP/s, for the MFU")
@@ -113,8 +113,7 @@ def strategy_of(args, dtype: str) -> str:
 
 def build_model(build, cfg, mesh, args, dtype: str, strategy: str | None = None) -> tuple[ShardedModule, object]:
     context = getattr(args, "context_parallel", None) if mesh.cp > 1 else None  # soak.py's args have no cp
-    precision = dict(mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)) \
-        if dtype == "bf16" else {}
+    precision = dict(mixed_precision=harness.BF16) if dtype == "bf16" else {}
     model = ShardedModule(build(cfg), mesh=mesh, strategy=strategy or strategy_of(args, dtype),
                           context_parallel=context, schedule=args.schedule, microbatches=args.microbatches,
                           virtual_stages=getattr(args, "virtual_stages", None), record_timeline=True, **precision)
@@ -131,16 +130,17 @@ def train_step(model: ShardedModule, opt, x: torch.Tensor, before_step=None) -> 
     return loss
 
 
-def matmul_params(gpt: torch.nn.Module) -> int:
-    """Parameters a token is multiplied by: all but the embedding tables; the LM head's weight even
-    when tied (it is a matmul there); each MoE layer's experts by top_k / n_experts."""
-    tables = {id(gpt.wte.weight)} | ({id(gpt.wpe.weight)} if gpt.wpe is not None else set())
+def model_flops(gpt: torch.nn.Module, seq: int) -> tuple[int, int]:
+    """(parameters, training FLOPs per token: 6 x the parameters a token is multiplied by, plus attention's
+    12 n_layer seq n_embd). Multiplied by: all but the embedding tables; the LM head's weight even when
+    tied (it is a matmul there); each MoE layer's experts by top_k / n_experts."""
+    cfg, tables = gpt.config, {id(gpt.wte.weight)} | ({id(gpt.wpe.weight)} if gpt.wpe is not None else set())
     n = sum(p.numel() for p in gpt.parameters() if id(p) not in tables)
     n += gpt.lm_head.weight.numel() if gpt.lm_head.weight is gpt.wte.weight else 0
     for layer in moe_layers(gpt):
         experts = sum(p.numel() for p in (layer.w1, layer.b1, layer.w2, layer.b2))
         n -= experts - experts * layer.top_k // layer.n_experts
-    return n
+    return sum(p.numel() for p in gpt.parameters()), 6 * n + 12 * cfg.n_layer * seq * cfg.n_embd
 
 
 def peak_flops(args, cpu: bool) -> tuple[float | None, str]:
@@ -186,10 +186,9 @@ def main() -> int:
     args = parse_args()
     world = int(os.environ.get("WORLD_SIZE", 1))
     dp = args.dp or world // (args.tp * args.cp * args.pp)
-    mesh = harness.init(dp=args.dp, tp=args.tp, pp=args.pp, ep=(args.ep or dp) if args.moe else 1, cp=args.cp)
+    mesh = harness.init(exact=True, dp=args.dp, tp=args.tp, pp=args.pp, ep=(args.ep or dp) if args.moe else 1,
+                        cp=args.cp)  # exact: the fp32 check run and its reference
     cpu = mesh.device.type == "cpu"
-    # on a GPU the fp32 check run and its reference must not round matmul inputs to TF32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     dtype = args.dtype or ("fp32" if cpu or args.strategy == "ddp" else "bf16")  # DDP has no mixed precision
     main_rank = mesh.rank == 0
     shape = dict(vocab_size=args.vocab, block_size=args.seq, n_layer=args.n_layer, n_head=args.n_head,
@@ -206,9 +205,7 @@ def main() -> int:
     else:
         build, cfg = GPT, GPTConfig(**shape)
         ref_cfg = cfg
-    full = build(cfg)
-    n_params, n_matmul = sum(p.numel() for p in full.parameters()), matmul_params(full)
-    del full
+    n_params, flops_per_token = model_flops(build(cfg), args.seq)
     if main_rank:
         kind = f"MoE GPT ({args.experts} experts, top-{args.top_k}, ep={mesh.ep})" if args.moe else "GPT"
         print(f"minipar: {kind} '{args.model}' {n_params / 1e6:.2f}M parameters on {mesh.world_size} ranks: "
@@ -287,7 +284,7 @@ def main() -> int:
             "steps": timelines[STEADY_FROM:] or timelines[-1:], "memory": {**state, **peak}}
     everyone = mesh.comm.all_gather_object(mine, mesh.world, tag="report")
     if main_rank:
-        failures += report(args, mesh, everyone, t, losses, dtype, n_matmul, cpu, step_stats, check_steps,
+        failures += report(args, mesh, everyone, t, losses, dtype, flops_per_token, cpu, step_stats, check_steps,
                            max_diff, bf16_rel)
         for why in failures:
             print(f"FAILED: {why}")
@@ -295,13 +292,12 @@ def main() -> int:
     return harness.finish(status)
 
 
-def report(args, mesh, everyone, t, losses, dtype, n_matmul, cpu, step_stats, check_steps, max_diff,
+def report(args, mesh, everyone, t, losses, dtype, flops_per_token, cpu, step_stats, check_steps, max_diff,
            bf16_rel) -> list[str]:
     """The figures table, the timeline and OUT/gpt_tp_pp.json (rank 0); the failed goals."""
     p, m, failures = mesh.pp, args.microbatches, []
     median = t.median("job")
     tokens_per_s = mesh.dp * args.batch * args.seq / median
-    flops_per_token = 6 * n_matmul + 12 * args.n_layer * args.seq * args.n_embd
     peak, peak_note = peak_flops(args, cpu)
     mfu = flops_per_token * tokens_per_s / (mesh.world_size * peak) if peak else None
     comm = step_stats.summary()

@@ -61,10 +61,29 @@ class Step:
     junit: str | None = None         # a pytest JUnit report: counted into passed/failed/skipped
 
 
-def main_job(n: int, out: pathlib.Path, name: str, *args: str) -> list[str]:
+def main_job(label: str, part: str, n: int, out: pathlib.Path, name: str, args: tuple, timeout: int, estimate: int,
+             **kw) -> Step:
     """The main job (gpt_tp_pp.py) on ``n`` ranks under torchrun, its results in OUT/name."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
-            str(BENCH / "gpt_tp_pp.py"), "--out", str(out / name), *args]
+    return Step(label, part, [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
+                              str(BENCH / "gpt_tp_pp.py"), "--out", str(out / name), *args], timeout, estimate,
+                json_out=str(out / name / "gpt_tp_pp.json"), **kw)
+
+
+def bench(label: str, part: str, out: pathlib.Path, script: str, json_name: str, args: tuple, timeout: int,
+          estimate: int, **kw) -> Step:
+    """A benchmark script run by this interpreter, its figures written to OUT/json_name."""
+    path = str(out / json_name)
+    return Step(label, part, [sys.executable, str(BENCH / script), *args, "--json", path], timeout, estimate,
+                json_out=path, **kw)
+
+
+def pytest(label: str, part: str, out: pathlib.Path, junit_name: str, args: tuple, timeout: int, estimate: int,
+           env: dict) -> Step:
+    """Test modules under pytest, counted from their JUnit report OUT/junit_name."""
+    junit = str(out / junit_name)
+    return Step(label, part, [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args,
+                              f"--junitxml={junit}"], timeout, estimate, env={**env, "HYPOTHESIS_PROFILE": "ci"},
+                junit=junit)
 
 
 def gpu_steps(out: pathlib.Path) -> list[Step]:
@@ -74,49 +93,38 @@ def gpu_steps(out: pathlib.Path) -> list[Step]:
     tests = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_kernels*.py"))
     share = {"MINIPAR_BACKEND": "gloo", "MINIPAR_DEVICE": "cuda"}  # two processes on one GPU (nccl refuses it)
     steps = [
-        Step("kernel tests compiled on the GPU", "kernels",
-             [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "triton", *tests,
-              f"--junitxml={out / 'kernel_tests.xml'}"], 360, 150,
-             env={"MINIPAR_TEST_DEVICE": "cuda", "HYPOTHESIS_PROFILE": "ci"}, junit=str(out / "kernel_tests.xml")),
-        Step("GPT 350M on one GPU: minipar beside PyTorch", "train",
-             [sys.executable, str(BENCH / "gpt_1gpu.py"), "--model", "gpt2-medium", "--modes",
-              "minipar,torch,compile,minipar_compile", "--json", str(out / "gpt_1gpu.json")], 330, 240,
-             json_out=str(out / "gpt_1gpu.json")),
-        Step("profile: 3 steps of minipar and of the eager recipe", "train",
-             [sys.executable, str(BENCH / "gpt_1gpu.py"), "--model", "gpt2-medium", "--modes", "minipar,torch",
-              "--warmup", "3", "--profile", str(out / "profile"), "--json", str(out / "gpt_1gpu_profile.json")],
-             120, 60, json_out=str(out / "gpt_1gpu_profile.json")),
-        Step("main job, world 1, bf16, reference check", "train",
-             main_job(1, out, "main_world1_bf16", "--tp", "1", "--pp", "1", "--model", "small", "--dtype", "bf16",
-                      "--steps", "20", "--batch", "16"), 150, 40, json_out=str(out / "main_world1_bf16" / "gpt_tp_pp.json")),
-        Step("kernel table (time, GB/s, vs eager and torch.compile)", "kernels",
-             [sys.executable, str(BENCH / "kernels.py"), "--json", str(out / "kernels.json")], 240, 90,
-             json_out=str(out / "kernels.json")),
+        pytest("kernel tests compiled on the GPU", "kernels", out, "kernel_tests.xml", ("-m", "triton", *tests), 360,
+               150, {"MINIPAR_TEST_DEVICE": "cuda"}),
+        bench("GPT 350M on one GPU: minipar beside PyTorch", "train", out, "gpt_1gpu.py", "gpt_1gpu.json",
+              ("--model", "gpt2-medium", "--modes", "minipar,torch,compile,minipar_compile"), 330, 240),
+        bench("profile: 3 steps of minipar and of the eager recipe", "train", out, "gpt_1gpu.py", "gpt_1gpu_profile.json",
+              ("--model", "gpt2-medium", "--modes", "minipar,torch", "--warmup", "3", "--profile", str(out / "profile")),
+              120, 60),
+        main_job("main job, world 1, bf16, reference check", "train", 1, out, "main_world1_bf16", (
+            "--tp", "1", "--pp", "1", "--model", "small", "--dtype", "bf16", "--steps", "20", "--batch", "16"), 150, 40),
+        bench("kernel table (time, GB/s, vs eager and torch.compile)", "kernels", out, "kernels.py", "kernels.json",
+              (), 240, 90),
     ]
     for strategy, dtype in (("ddp", "fp32"), ("zero1", "bf16"), ("zero2", "bf16"), ("zero3", "fp32"), ("zero3", "bf16")):
         name = f"main_world1_nccl_{strategy}_{dtype}"
-        steps.append(Step(f"{strategy} {dtype}, world 1, NCCL", "tests",
-                          main_job(1, out, name, "--tp", "1", "--pp", "1", "--strategy", strategy, "--dtype", dtype,
-                                   "--steps", "6"), 45, 20, json_out=str(out / name / "gpt_tp_pp.json")))
+        steps.append(main_job(f"{strategy} {dtype}, world 1, NCCL", "tests", 1, out, name, (
+            "--tp", "1", "--pp", "1", "--strategy", strategy, "--dtype", dtype, "--steps", "6"), 45, 20))
     fp32 = ("--dtype", "fp32")
     for label, args in [(f"{s} fp32", ("--tp", "1", "--pp", "1", "--strategy", s, *fp32)) for s in ("ddp", "zero1", "zero2", "zero3")] + \
                        [("tp=2 ddp fp32", ("--tp", "2", "--pp", "1", *fp32)),
                         ("pp=2 1f1b zero1 bf16", ("--tp", "1", "--pp", "2", "--dtype", "bf16")),
                         ("cp=2 ring fp32", ("--tp", "1", "--pp", "1", "--cp", "2", *fp32))]:
         name = "main_world2_gloo_cuda_" + label.replace(" ", "_").replace("=", "")
-        steps.append(Step(f"{label}, world 2 sharing the GPU over gloo", "tests",
-                          main_job(2, out, name, *args, "--steps", "6"), 50, 25, env=share,
-                          json_out=str(out / name / "gpt_tp_pp.json")))
+        steps.append(main_job(f"{label}, world 2 sharing the GPU over gloo", "tests", 2, out, name,
+                              (*args, "--steps", "6"), 50, 25, env=share))
     # The suite part in two halves with their own limits, so that one call of ten minutes holds the part
     # and a half that runs out of time still reports the other's results.
     halves = (STRATEGY_TESTS[:4], STRATEGY_TESTS[4:])
     for k, files in enumerate(halves, start=1):
-        steps.append(Step(f"strategy tests with their ranks on the GPU ({k}/2: {', '.join(pathlib.Path(f).stem[5:] for f in files)})",
-                          "suite", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--maxfail=20",
-                                    "--durations=10", *files, f"--junitxml={out / f'strategy_tests_{k}.xml'}"],
-                          280, 150, env={"MINIPAR_TEST_DEVICE": "cuda", "MINIPAR_TEST_BACKEND": "nccl",
-                                         "HYPOTHESIS_PROFILE": "ci"},
-                          junit=str(out / f"strategy_tests_{k}.xml")))
+        names = ", ".join(pathlib.Path(f).stem[5:] for f in files)
+        steps.append(pytest(f"strategy tests with their ranks on the GPU ({k}/2: {names})", "suite", out,
+                            f"strategy_tests_{k}.xml", ("--maxfail=20", "--durations=10", *files), 280, 150,
+                            {"MINIPAR_TEST_DEVICE": "cuda", "MINIPAR_TEST_BACKEND": "nccl"}))
     return steps
 
 
@@ -125,27 +133,18 @@ def cpu_steps(out: pathlib.Path) -> list[Step]:
     tiny = ("--model", "tiny", "--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--vocab", "64", "--seq", "16",
             "--batch", "2", "--steps", "4")
     return [
-        Step("kernel tests (interpreted: no GPU)", "kernels",
-             [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "triton",
-              "tests/test_kernels_scale_cast.py", f"--junitxml={out / 'kernel_tests.xml'}"], 300, 10,
-             env={"TRITON_INTERPRET": "1", "HYPOTHESIS_PROFILE": "ci"}, junit=str(out / "kernel_tests.xml")),
+        pytest("kernel tests (interpreted: no GPU)", "kernels", out, "kernel_tests.xml",
+               ("-m", "triton", "tests/test_kernels_scale_cast.py"), 300, 10, {"TRITON_INTERPRET": "1"}),
         # interpreted: minipar's kernels take their GPU branch, so its host syncs are a GPU run's
-        Step("GPT on one device (smoke, kernels interpreted)", "train",
-             [sys.executable, str(BENCH / "gpt_1gpu.py"), "--smoke", "--json", str(out / "gpt_1gpu.json")], 180, 20,
-             env={"TRITON_INTERPRET": "1"}, json_out=str(out / "gpt_1gpu.json")),
-        Step("profile (smoke, kernels interpreted)", "train",
-             [sys.executable, str(BENCH / "gpt_1gpu.py"), "--smoke", "--profile", str(out / "profile"), "--json",
-              str(out / "gpt_1gpu_profile.json")], 180, 20, env={"TRITON_INTERPRET": "1"},
-             json_out=str(out / "gpt_1gpu_profile.json")),
-        Step("main job, world 1, reference check", "train",
-             main_job(1, out, "main_world1", "--tp", "1", "--pp", "1", *tiny), 180, 10,
-             json_out=str(out / "main_world1" / "gpt_tp_pp.json")),
-        Step("kernel table (smoke)", "kernels",
-             [sys.executable, str(BENCH / "kernels.py"), "--smoke", "--json", str(out / "kernels.json")], 180, 5,
-             json_out=str(out / "kernels.json")),
-        Step("zero3 fp32, world 2 over gloo", "tests",
-             main_job(2, out, "main_world2_zero3", "--tp", "1", "--pp", "1", "--strategy", "zero3", *tiny), 180, 15,
-             json_out=str(out / "main_world2_zero3" / "gpt_tp_pp.json")),
+        bench("GPT on one device (smoke, kernels interpreted)", "train", out, "gpt_1gpu.py", "gpt_1gpu.json",
+              ("--smoke",), 180, 20, env={"TRITON_INTERPRET": "1"}),
+        bench("profile (smoke, kernels interpreted)", "train", out, "gpt_1gpu.py", "gpt_1gpu_profile.json",
+              ("--smoke", "--profile", str(out / "profile")), 180, 20, env={"TRITON_INTERPRET": "1"}),
+        main_job("main job, world 1, reference check", "train", 1, out, "main_world1", ("--tp", "1", "--pp", "1", *tiny),
+                 180, 10),
+        bench("kernel table (smoke)", "kernels", out, "kernels.py", "kernels.json", ("--smoke",), 180, 5),
+        main_job("zero3 fp32, world 2 over gloo", "tests", 2, out, "main_world2_zero3",
+                 ("--tp", "1", "--pp", "1", "--strategy", "zero3", *tiny), 180, 15),
     ]
 
 

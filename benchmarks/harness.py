@@ -45,8 +45,10 @@ FLAGS: dict[str, tuple[Any, str]] = {
     "warmup": (int, "steps per variant run first and left out of the figures"), "lr": (float, "learning rate"),
     "seed": (int, "model and data seed"), "json": (str, "also write the figures here as JSON"),
     "smoke": (bool, "tiny sizes and few steps: checks the script, not speed"),
-    "check": (bool, "exit 1 when a goal of the benchmark is missed"),
+    "check": (bool, "exit 1 when a goal of the benchmark is missed"), "microbatches": (int, "micro-batches per step"),
+    "check_steps": (int, "first steps whose losses are compared"), "tolerance": (float, "largest loss difference"),
 }
+BF16 = minipar.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)  # bf16 compute, fp32 reduce
 
 
 class _Format(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -86,8 +88,11 @@ def parser(doc: str | None, *, help: dict | None = None, **defaults) -> Flags:
     return ap
 
 
-def init(**axes) -> minipar.Mesh:
-    """``minipar.init(**axes)``, every rank computing with one thread on a CPU (the ranks share its cores)."""
+def init(exact: bool = False, **axes) -> minipar.Mesh:
+    """``minipar.init(**axes)``, every rank computing with one thread on a CPU (the ranks share its cores);
+    ``exact``: no TF32 on a GPU (a reference check must not round matmul inputs)."""
+    if exact:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     mesh = minipar.init(**axes)
     if mesh.device.type == "cpu":
         torch.set_num_threads(1)

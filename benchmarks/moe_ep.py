@@ -20,14 +20,13 @@ from minipar.moe.layer import MoELayer
 
 
 def main() -> int:
-    ap = harness.parser(__doc__, steps=20, warmup=3, json=None)
+    ap = harness.parser(__doc__, steps=20, warmup=3, json=None, tolerance=1e-4)
     ap.add_argument("--tokens", type=int, default=2048, help="tokens per rank")
     ap.add_argument("--d-model", type=int, default=256)
     ap.add_argument("--d-hidden", type=int, default=1024)
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--top-k", type=int, default=2)
     ap.add_argument("--capacity-factor", type=float, default=1.25)
-    ap.add_argument("--tolerance", type=float, default=1e-4)
     args = ap.parse_args()
     mesh = harness.init(ep=int(os.environ.get("WORLD_SIZE", 1)))  # every rank one expert-parallel rank
     p = mesh.world_size

@@ -29,9 +29,8 @@ def run(args, mesh, name: str, opt_where, params_where) -> dict:
         nvme = "nvme" in (opt_where, params_where)
         off = minipar.Offload(optimizer=opt_where, params=params_where, path=args.path if nvme else None,
                               chunk_mb=args.chunk_mb)
-    precision = minipar.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else None
     model = minipar.ShardedModule(GPT(harness.gpt_config(args, seed=0)), mesh=mesh, strategy="zero3", offload=off,
-                                  mixed_precision=precision)
+                                  mixed_precision=harness.BF16 if args.bf16 else None)
     opt = model.build_optimizer(torch.optim.AdamW, lr=1e-3, weight_decay=0.1)
     cuda, moved = mesh.device.type == "cuda", {}
 

@@ -72,13 +72,10 @@ def torch_runner(cfg, rank: int, stages: int, schedule: str, v: int, m: int, opt
 
 def main() -> int:
     ap = harness.parser(__doc__, steps=20, warmup=3, batch=8, seq=128, vocab=2048, n_layer=4, n_embd=256, n_head=4,
-                        lr=3e-3, json=None)
+                        lr=3e-3, json=None, microbatches=4, check_steps=3, tolerance=1e-4)
     ap.add_argument("--schedules", default=None, help=f"comma list out of {','.join(TORCH_SCHEDULES)} "
                                                       "(default: all the model is deep enough for)")
-    ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--virtual-stages", type=int, default=2, help="model chunks per rank for interleaved_1f1b")
-    ap.add_argument("--check-steps", type=int, default=3, help="first steps whose losses are compared")
-    ap.add_argument("--tolerance", type=float, default=1e-4)
     args = ap.parse_args()
     schedules, skipped = chosen_schedules(args, PP)
     mesh = harness.init(pp=PP)

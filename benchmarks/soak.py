@@ -30,7 +30,7 @@ PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 def parse_args():
-    ap = harness.parser(__doc__, steps=1000, warmup=None, batch=8, lr=3e-3, json=None, check=False,
+    ap = harness.parser(__doc__, steps=1000, warmup=None, batch=8, lr=3e-3, json=None, check=False, microbatches=4,
                         smoke=dict(steps=20, every=5, check_reps=20),
                         help={"warmup": "steps before the growth is measured; default 10%%",
                               "batch": "sequences per data-parallel rank per step"})
@@ -39,7 +39,6 @@ def parse_args():
     ap.add_argument("--pp", type=int, default=2)
     ap.add_argument("--dp", type=int, default=None, help="default: world / (tp * pp)")
     ap.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe"))
-    ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--model", default="tiny", choices=sorted(PRESETS), help="the main job's shape preset")
     ap.add_argument("--check-reps", type=int, default=500, help="batch-check calls timed")
     args = ap.parse_args()

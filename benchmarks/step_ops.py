@@ -15,8 +15,9 @@ import argparse
 
 import torch
 
+import harness
 import minipar
-from minipar import MixedPrecision, ShardedModule
+from minipar import ShardedModule
 from minipar.models import GPT, GPTConfig, gpt_loss
 from minipar.core.syncs import count_launches
 
@@ -30,8 +31,7 @@ def main() -> None:
     torch.set_num_threads(1)
     mesh = minipar.init()
     cfg = GPTConfig(vocab_size=256, block_size=32, n_layer=args.n_layer, n_head=2, n_embd=32, fused_qkv=args.fused_qkv)
-    model = ShardedModule(GPT(cfg), mesh=mesh, strategy="zero1",
-                          mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    model = ShardedModule(GPT(cfg), mesh=mesh, strategy="zero1", mixed_precision=harness.BF16)
     opt = model.build_optimizer(torch.optim.AdamW, lr=1e-3, weight_decay=0.1)
     x = torch.randint(0, cfg.vocab_size, (2, cfg.block_size + 1), generator=torch.Generator().manual_seed(0))
 

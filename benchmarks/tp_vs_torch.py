@@ -1,7 +1,7 @@
 """minipar tensor parallelism against torch.distributed.tensor.parallel, step for step.
 
     torchrun --nproc_per_node=2 benchmarks/tp_vs_torch.py [--sequence-parallel --minipar-api sharded|parallelize
-        --foreach --json out.json --check]  # --help: every flag
+        --json out.json --check]  # --help: every flag
 
 tp = world; the same GPT (untied head) and batches on both sides. minipar: ``ShardedModule(strategy=
 "ddp", sequence_parallel=...)`` applying ``GPT.tp_plan`` (or ``parallelize`` alone); torch:
@@ -219,30 +219,22 @@ def theory(args, n: int) -> dict[str, dict[str, list[tuple[str, str, int]]]]:
     return {"forward": fwd, "backward": bwd, "optimizer": {}}  # the optimizer needs no communication
 
 
-def summarize(records) -> dict[tuple[str, str], dict[str, int]]:
-    """{(op, tag): {"calls", "bytes", "wire_bytes", "sizes": sorted payloads}} of (op, tag, bytes, wire)."""
-    out: dict = {}
-    for op, tag, nbytes, wire in records:
-        row = out.setdefault((op, tag), {"calls": 0, "bytes": 0, "wire_bytes": 0, "sizes": []})
-        row["calls"], row["bytes"], row["wire_bytes"] = row["calls"] + 1, row["bytes"] + nbytes, row["wire_bytes"] + wire
-        row["sizes"] = sorted(row["sizes"] + [nbytes])
-    return out
-
-
 def comm_table(measured, expected, n: int) -> tuple[list[dict], bool]:
-    """Rows (phase, segment, op, tag, calls/bytes/wire measured and expected, match); all-match flag."""
-    rows, empty = [], {"calls": 0, "bytes": 0, "wire_bytes": 0, "sizes": []}
+    """Rows (phase, segment, op, tag, calls/bytes/wire measured and expected, match: the same payloads and
+    wire bytes, call for call); the all-match flag."""
+    rows = []
     for phase in PHASES_COMM:
         order = ["embedding"] + [f"layer {i}" for i in range(len(expected[phase]))] + ["head", "loss/other"]
         segs = [s for s in order if s in expected[phase] or s in measured[phase]]
         for seg in segs + [s for s in measured[phase] if s not in segs]:
-            m = summarize([(r.op, r.tag, r.bytes, r.wire_bytes) for r in measured[phase].get(seg, [])])
-            e = summarize([(op, tag, b, wire_bytes(op, n, b)) for op, tag, b in expected[phase].get(seg, [])])
-            for key in sorted(set(m) | set(e)):
-                mr, er = m.get(key, empty), e.get(key, empty)
-                rows.append({"phase": phase, "segment": seg, "op": key[0], "tag": key[1], "calls": mr["calls"],
-                             "bytes": mr["bytes"], "wire_bytes": mr["wire_bytes"], "expected_calls": er["calls"],
-                             "expected_bytes": er["bytes"], "expected_wire_bytes": er["wire_bytes"], "match": mr == er})
+            m = [(r.op, r.tag, r.bytes, r.wire_bytes) for r in measured[phase].get(seg, [])]
+            e = [(op, tag, b, wire_bytes(op, n, b)) for op, tag, b in expected[phase].get(seg, [])]
+            for op, tag in sorted({c[:2] for c in m + e}):
+                mine, want = (sorted(c[2:] for c in calls if c[:2] == (op, tag)) for calls in (m, e))
+                rows.append({"phase": phase, "segment": seg, "op": op, "tag": tag, "calls": len(mine),
+                             "bytes": sum(b for b, _ in mine), "wire_bytes": sum(w for _, w in mine),
+                             "expected_calls": len(want), "expected_bytes": sum(b for b, _ in want),
+                             "expected_wire_bytes": sum(w for _, w in want), "match": mine == want})
     return rows, all(r["match"] for r in rows)
 
 
@@ -303,7 +295,6 @@ def main() -> int:
     ap.add_argument("--sequence-parallel", action="store_true", help="sequence parallelism on both sides")
     ap.add_argument("--minipar-api", choices=("sharded", "parallelize"), default="sharded",
                     help="ShardedModule(strategy='ddp') applying GPT.tp_plan, or tensor_parallel.parallelize alone")
-    ap.add_argument("--foreach", action="store_true", help="AdamW(foreach=True) on both sides (default: torch's)")
     args = ap.parse_args()
     world = int(os.environ.get("WORLD_SIZE", 1))
     mesh = harness.init(tp=world)
@@ -312,8 +303,7 @@ def main() -> int:
     # eps=1e-6, not 1e-8: AdamW's g / (sqrt(v) + eps) turns gradients that are pure rounding noise (the
     # k_proj bias's gradient is exactly zero in exact arithmetic: softmax ignores a per-query constant)
     # into full-size steps of random sign, which would make the parameter comparison meaningless.
-    opt_kwargs = dict(lr=args.lr, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.1, **({"foreach": True} if args.foreach
-                                                                                     else {}))
+    opt_kwargs = dict(lr=args.lr, eps=1e-6, **harness.ADAMW)
     mp = MiniparSide(cfg, mesh, args, opt_kwargs)
     pt = TorchSide(cfg, init_device_mesh(device.type, (world,)), args, opt_kwargs, device)
     n_params, local_params = sum(p.numel() for p in GPT(cfg).parameters()), sum(p.numel() for p in mp.gpt.parameters())
@@ -360,7 +350,7 @@ def main() -> int:
                else "tensor_parallel.parallelize(GPT.tp_plan)")
         print(f"minipar TP vs torch TP (DTensor): tp={world}{' + sequence parallel' if args.sequence_parallel else ''}, "
               f"{harness.setting(mesh)}")
-        print(f"minipar: {api}; torch: parallelize_module; AdamW(foreach={opt_kwargs.get('foreach')}) on both")
+        print(f"minipar: {api}; torch: parallelize_module; the same AdamW on both")
         print(f"{harness.shape(args)} batch={args.batch} (untied head): {n_params:,} parameters, {local_params:,} per "
               f"rank; {args.warmup} warm-up + {args.steps} timed steps each\n")
         print(harness.step_table(t, "minipar", "torch", **{f"loss {s}": [f"{v:.6f}" for v in losses[s][args.warmup:]]

@@ -23,13 +23,11 @@ from minipar.models import GPT, gpt_loss
 
 def main() -> int:
     ap = harness.parser(__doc__, steps=100, batch=8, seq=64, vocab=256, n_layer=2, n_head=4, n_embd=128, lr=3e-3,
-                        json=None)
+                        json=None, check_steps=5, tolerance=1e-4, help={"check_steps": "steps replayed by the "
+                                                                         "single-process reference"})
     ap.add_argument("--bucket-cap-mb", type=float, default=25.0)
-    ap.add_argument("--check-steps", type=int, default=5, help="steps replayed by the single-process reference")
-    ap.add_argument("--tolerance", type=float, default=1e-4, help="largest allowed loss difference")
     args = ap.parse_args()
-    mesh = harness.init()
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # the reference check, on a GPU
+    mesh = harness.init(exact=True)  # the reference check
     is_main = mesh.rank == 0
     cfg = harness.gpt_config(args, seed=0)
     model = ShardedModule(GPT(cfg), mesh=mesh, strategy="ddp", bucket_cap_mb=args.bucket_cap_mb)

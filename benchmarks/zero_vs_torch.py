@@ -56,8 +56,6 @@ def parse_args() -> argparse.Namespace:
                               "batch": "samples per rank per step (gpt 8, linear20 20)",
                               "lr": "gpt 1e-3 (AdamW); linear20 1e-4 (Adam: the tutorial's 0.01 overflows)"})
     ap.add_argument("--model", choices=("gpt", "linear20"), default="gpt")
-    ap.add_argument("--ddp-bucket-view", type=int, choices=(0, 1), default=1,
-                    help="torch DDP gradient_as_bucket_view (0: DDP's default, a second hidden gradient copy)")
     ap.add_argument("--bf16-table", action=argparse.BooleanOptionalAction, default=None,
                     help="also build minipar zero1/2/3 in bf16 for the memory table (default: gpt only)")
     ap.add_argument("--impls", default=",".join(LABELS), help="comma-separated subset of the implementations")
@@ -129,7 +127,7 @@ def build_side(key: str, w, mesh: minipar.Mesh, args, mixed=None) -> Side:
     if key == "torch_fsdp2":
         fsdp2(inner, w.units(inner), init_device_mesh(mesh.device.type, (dist.get_world_size(),)))
         return Side(key, inner, inner, w.opt_cls(inner.parameters(), **w.opt_kwargs))
-    wrapped = ddp(inner, mesh.device, gradient_as_bucket_view=bool(args.ddp_bucket_view))
+    wrapped = ddp(inner, mesh.device, gradient_as_bucket_view=True)  # no hidden gradient copy
     opt = (w.opt_cls(wrapped.parameters(), **w.opt_kwargs) if key == "torch_ddp" else
            ZeroRedundancyOptimizer(wrapped.parameters(), optimizer_class=w.opt_cls, **w.opt_kwargs))
     return Side(key, wrapped, inner, opt)
@@ -243,11 +241,9 @@ def main() -> int:
     w.batches = [(x.to(mesh.device), y.to(mesh.device)) for x, y in w.batches]
     phi = sum(p.numel() for p in w.build().parameters() if p.requires_grad)  # a tied weight counts once
     if rank == 0:
-        print(f"minipar ZeRO vs torch: world {world}, {dist.get_backend()} on {mesh.device}, "
-              f"{torch.get_num_threads()} thread(s)/rank, torch {torch.__version__}; minipar {source_state()}")
+        print(f"minipar ZeRO vs torch: {harness.setting(mesh)}; minipar {source_state()}")
         print(f"model: {w.describe}; Φ = {phi:,} parameters ({4 * phi / MIB:.1f} MiB fp32)")
-        print(f"{args.warmup} warm-up + {args.steps} timed steps per implementation; torch DDP "
-              f"gradient_as_bucket_view={bool(args.ddp_bucket_view)}", flush=True)
+        print(f"{args.warmup} warm-up + {args.steps} timed steps per implementation", flush=True)
     res: dict[str, Any] = {**harness.run_info(args, mesh), "model": args.model, "phi": phi,
                            "minipar_source": source_state(), "speed": {}, "ratios": {}}
     res["command"] = f"torchrun --nproc_per_node={world} " + res["command"]
@@ -353,9 +349,7 @@ def report(res: dict, args) -> None:
           "cells: measured / formula = ratio, MiB, rank 0 ==")
     print("minipar rows: ShardedModule.memory_stats(); torch rows: distinct storages behind parameters, .grad and "
           "optimizer state (DTensors: the local shard). " +
-          ("torch DDP grads are its buckets (gradient_as_bucket_view=True)." if args.ddp_bucket_view
-           else "torch DDP (defaults) also keeps a hidden params-sized bucket copy, not counted.") +
-          " Optimizer bytes include Adam's 'step' scalars; ZeroRedundancyOptimizer gives whole parameters to ranks.")
+          "torch DDP grads are its buckets (gradient_as_bucket_view=True). Optimizer bytes include Adam's 'step' scalars; ZeroRedundancyOptimizer gives whole parameters to ranks.")
     print_memory_rows("fp32 parameters and Adam (the fp32 master is the parameter itself):", res["memory_fp32"])
     if res["memory_bf16"]:
         print_memory_rows("bf16 mixed precision: MixedPrecision(param_dtype=torch.bfloat16), reduce dtype bf16, "
