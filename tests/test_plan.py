@@ -12,13 +12,16 @@ the ZeRO paper's closed form.
 
 from __future__ import annotations
 
+import io
 import json
+import re
 import subprocess
 import sys
 from collections import Counter
 
 import pytest
 import torch
+from hypothesis import given, strategies as st
 
 from minipar import Mesh, MixedPrecision, ShardedModule
 from minipar.plan import formulas as F
@@ -291,12 +294,15 @@ def _cli(*args) -> subprocess.CompletedProcess:
 
 
 def test_planner_json_lists_feasible_layouts_fastest_first():
-    """`--json` parses; every layout carries its memory and per-axis traffic, and the list is sorted
-    by predicted step time."""
-    out = _cli("--model", "gpt2-124m", "--gpus", "8", "--global-batch", "64", "--json")
+    """`--json` parses, with the progress line on (it goes to stderr); every layout carries its memory
+    and per-axis traffic, and the list is sorted by predicted step time (to 9 significant digits:
+    equal times are ordered by bytes moved, `test_equal_step_times_rank_fewer_bytes_first`)."""
+    out = _cli("--model", "gpt2-124m", "--gpus", "8", "--global-batch", "64", "--json", "--progress-after", "0")
     assert out.returncode == 0, out.stderr
+    assert "ETA" in out.stderr and "layouts in" in out.stderr, out.stderr  # the progress line, not on stdout
     layouts = json.loads(out.stdout)["layouts"]
-    assert layouts and [r["step_s"] for r in layouts] == sorted(r["step_s"] for r in layouts)
+    times = [float(f"{r['step_s']:.9g}") for r in layouts]
+    assert layouts and times == sorted(times)
     for r in layouts:
         assert set(r["memory"]) >= {"params", "grads", "optimizer", "activations", "activations_full",
                                     "activations_recompute", "buffers"}
@@ -339,4 +345,174 @@ def test_explain_shows_the_arithmetic_and_refusals_say_why(capsys):
     assert "not a layout" in bad and "not the cluster's 8 GPUs" in bad, bad
     status, nothing = _main(capsys, "--layers", "4", "--hidden", "4096", "--heads", "32", "--ffn", "14336", "--vocab",
                             "128256", "--seq", "4096", "--gpus", "8", "--memory-gb", "1", "--global-batch", "8")
-    assert status == 1 and "nothing fits" in nothing and "GiB per GPU" in nothing, nothing
+    assert status == 1 and "nothing fits" in nothing and "GB per GPU" in nothing, nothing
+
+
+# -- the planner as a tool: ranking, units, options, progress ---------------------------------------
+
+
+def test_equal_step_times_rank_fewer_bytes_first():
+    """GPT-2 on 2 GPUs: the backward hides every data-parallel strategy's traffic, so ddp, zero1 and
+    zero3 predict the same step time (exactly: exposed time 0 for each). Then the one moving fewer
+    bytes per step ranks first (zero1 0.25 GB before ddp 0.49 GB, fp32, before zero3 2.66 GB: a ranking
+    by time then memory put zero3 first and ddp 9th), and among equal bytes the one with less memory
+    (zero1 with micro-batch 1 before 2: the same traffic, half the activations)."""
+    from minipar.plan import plan, rank_key
+    from minipar.plan.presets import H100, MODELS
+
+    cluster = H100.__class__("two", gpus_per_node=2)
+    ranked = plan(MODELS["gpt2-124m"], cluster, 64)["layouts"]
+    by_name = {r["layout"]: r for r in ranked}
+    order = [r["layout"] for r in ranked]
+    name = "tp1.pp1.dp2.cp1.ep1.{}.mbs{}.norc".format
+    zero1, zero1_mbs2, ddp, zero3 = (by_name[name(*k)] for k in (("zero1", 1), ("zero1", 2), ("ddp", 1), ("zero3", 1)))
+    assert zero1["step_s"] == ddp["step_s"] == zero3["step_s"]  # a real tie
+    assert zero1["wire_per_step"] < ddp["wire_per_step"] < zero3["wire_per_step"]
+    assert order.index(zero1["layout"]) < order.index(ddp["layout"]) < order.index(zero3["layout"])
+    assert order[0] == zero1["layout"]
+    assert zero1_mbs2["wire_per_step"] == zero1["wire_per_step"] and zero1_mbs2["memory"]["total"] > zero1["memory"]["total"]
+    assert order.index(zero1["layout"]) < order.index(zero1_mbs2["layout"])
+    assert [rank_key(r) for r in ranked] == sorted(rank_key(r) for r in ranked)
+    # float rounding is no reason to rank more bytes first: 1 ulp apart is a tie
+    fast, close = (dict(step_s=t, wire_per_step=b, memory={"total": 1}, layout=n)
+                   for t, b, n in ((1.0 + 2**-52, 1, "a"), (1.0, 2, "b")))
+    assert sorted([close, fast], key=rank_key) == [fast, close]
+
+
+@pytest.mark.parametrize("value, text", [(0.0, "0 s"), (3.2e-7, "320 ns"), (8.5e-4, "850 us"), (0.0483, "48.3 ms"),
+                                         (0.05289, "52.89 ms"), (1.2345, "1.234 s"), (130.88, "130.9 s"),
+                                         (12345.6, "12346 s")])
+def test_times_print_in_units(value, text):
+    from minipar.plan.readable import seconds
+    assert seconds(value) == text
+
+
+@pytest.mark.parametrize("value, text", [(0, "0 B"), (512, "512 B"), (1500, "1.5 KB"), (0.25e9, "250 MB"),
+                                         (2.66e9, "2.66 GB"), (5435.86e9, "5.436 TB"), (124_439_808, "124.4 MB")])
+def test_sizes_print_in_units(value, text):
+    from minipar.plan.readable import size
+    assert size(value) == text
+
+
+@given(st.floats(min_value=1e-9, max_value=1e6), st.booleans())
+def test_units_keep_four_digits_of_any_value(value, is_time):
+    """For any time from 1 ns to 10^6 s and any size from 1 B to 10^15 B: the number printed is in
+    [1, 1000) of its unit (10^4 s and past: whole seconds), and reads back to the value within
+    half a unit of the 4th significant digit (5e-4 relative)."""
+    from minipar.plan.readable import seconds, size
+    units = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0} if is_time else \
+        {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "PB": 1e15}
+    value = value if is_time else max(1.0, round(value * 1e9))
+    number, unit = (seconds if is_time else size)(value).split()
+    assert 1 <= float(number) < 1000 or unit == ("s" if is_time else "PB")
+    assert float(number) * units[unit] == pytest.approx(value, rel=5e-4)
+
+
+def test_table_prints_times_and_sizes_in_units(capsys):
+    """Every step, memory and traffic cell of the table carries a unit: a GPT-2 step reads "52.89 ms",
+    not "0.05"; its gradient traffic "247.2 MB", not "0.25"."""
+    status, out = _main(capsys, "--model", "gpt2-124m", "--gpus", "2", "--global-batch", "64", "--top", "3")
+    assert status == 0, out
+    rows = [line.split() for line in out.splitlines() if line.startswith("tp1.")]
+    assert len(rows) == 3
+    for row in rows:
+        cells = [" ".join(row[i:i + 2]) for i in (2, 6, 8, 10, 12, 14)]  # step, memory, state, activ., intra, inter
+        assert re.fullmatch(r"[\d.]+ (ns|us|ms|s)", cells[0]), row
+        assert all(re.fullmatch(r"[\d.]+ (B|KB|MB|GB|TB|PB)", c) for c in cells[1:]), row
+    assert rows[0][2:4] == ["52.89", "ms"] and rows[0][12:14] == ["247.2", "MB"], rows[0]
+
+
+def test_every_option_says_what_it_is_and_its_default(capsys):
+    """`--help`: every option has a help text beyond its name, and names its default."""
+    from minipar.plan.__main__ import parse
+    with pytest.raises(SystemExit) as exit_:
+        parse(["--help"])
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    blocks = re.split(r"\n(?=  -)", text.split("\noptions:\n", 1)[1])
+    parser, _ = parse([])
+    options = [a for a in parser._actions if a.dest != "help"]
+    assert len(options) >= 20  # the loop below sees every flag (24 today), not an empty list
+    for action in options:
+        flag = max(action.option_strings, key=len)
+        block = next((b for b in blocks if b.lstrip().startswith(flag + " ") or b.lstrip().startswith(flag + "\n")),
+                     None)
+        assert block is not None, flag
+        words = block.split(None, 1 if action.nargs == 0 else 2)[-1]  # the help text after the flag (and metavar)
+        assert len(words.split()) >= 4 and "(default:" in " ".join(words.split()), (flag, block)
+
+
+class _Clock:
+    """A clock the test advances: now() reads it."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_progress_line_waits_then_shows_an_eta():
+    """Nothing before ``after`` seconds (a short search stays quiet); then a line with how far and an
+    ETA (the time so far, scaled to the layouts left), at most one per ``every`` seconds, and a
+    closing line. Into a file (not a terminal) each update is its own line."""
+    from minipar.plan.progress import Progress
+    clock, stream = _Clock(), io.StringIO()
+    progress = Progress("search", after=2.0, every=1.0, stream=stream, clock=clock)
+    for done in range(1, 11):  # 10 layouts, 0.5 s each
+        clock.now = 0.5 * done
+        progress(done, 10)
+    lines = stream.getvalue().splitlines()
+    assert lines == ["search: 4/10 layouts (40%), 2 s so far, ETA 3 s",
+                     "search: 6/10 layouts (60%), 3 s so far, ETA 2 s",
+                     "search: 8/10 layouts (80%), 4 s so far, ETA 1 s",
+                     "search: 10 layouts in 5 s"], lines
+    quiet, stream = Progress("search", after=float("inf"), stream=io.StringIO(), clock=clock), None
+    quiet(10, 10)
+    assert quiet.stream.getvalue() == ""
+    with pytest.raises(ValueError, match="progress after=-1"):
+        Progress("search", after=-1)
+
+
+def test_progress_line_on_a_search_from_the_command_line(capsys):
+    """``--progress-after 0`` shows the line on stderr for any search (so a test need not wait for a
+    40 s one); ``inf`` never; the table on stdout is the same either way."""
+    from minipar.plan.__main__ import main
+    args = ["--model", "minipar-gpt", "--gpus", "4", "--global-batch", "8"]
+    assert main(args + ["--progress-after", "0"]) == 0
+    shown = capsys.readouterr()
+    assert re.search(r"minipar-gpt on 4 GPUs: \d+/\d+ layouts .* ETA [\d.]+ (ns|us|ms|s)", shown.err), shown.err
+    assert re.search(r"minipar-gpt on 4 GPUs: \d+ layouts in [\d.]+ (ns|us|ms|s)", shown.err), shown.err
+    assert main(args + ["--progress-after", "inf"]) == 0
+    quiet = capsys.readouterr()
+    assert quiet.err == "" and quiet.out == shown.out
+    with pytest.raises(SystemExit):
+        main(args + ["--progress-after", "-1"])
+    assert "--progress-after -1.0 must be seconds >= 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "zero3", "hsdp"])
+@pytest.mark.parametrize("pp", [1, 2])
+def test_planner_dp_traffic_is_the_listed_calls_summed(strategy, pp):
+    """The planner sums each repeated call list once and scales it by the micro-batches (its fast
+    path); that equals summing `dp_calls`' full list, for every strategy, with and without a pipeline,
+    at m = 1 and m = 5."""
+    from minipar.plan import Layout, _dp, _dp_traffic, _stage_params, _stage_state
+    from minipar.plan.presets import H100, MODELS
+    model, cluster = MODELS["minipar-gpt"], H100.__class__("four", gpus_per_node=4)
+    lay = Layout(tp=1, pp=pp, dp=4 // pp, strategy=strategy)
+    dp = _dp(model, cluster, lay)
+    for stage in range(pp):
+        _, _, per_step, per_backward = _stage_state(model, lay, dp, stage)
+        for m in (1, 5):
+            listed = F.summarize(F.dp_calls(_stage_params(model, 1, 1, pp, stage), dp, backwards=m, pipeline=pp > 1))
+            assert _dp_traffic(per_step, per_backward, m) == listed, (stage, m)
+
+
+def test_planner_plans_every_registered_strategy():
+    """The planner's strategies are the registry's built-in ones (`minipar.data_parallel.strategy`,
+    aliases folded: fsdp is zero3) plus hsdp (zero3 over a two-axis mesh, not a registered name): a
+    strategy renamed or added to the built-ins must be planned, or this fails."""
+    from minipar.data_parallel.strategy import STRATEGIES as BUILT_IN, strategy_entry
+    from minipar.plan import STRATEGIES
+    assert set(STRATEGIES) == {strategy_entry(name).name for name in BUILT_IN} | {"hsdp"}
