@@ -21,9 +21,10 @@ Face state dict: it loads into a fresh model of the same config with ``strict=Tr
 
 Refused on every rank before any collective, naming the fix (and the model left as it was): a plan
 minipar cannot reproduce exactly (Mixtral's packed experts), GPT-2 (no plan; its Conv1D in an
-explicit plan), sequence parallelism with the model's own plan, an nn.Embedding subclass with its
-own forward (Gemma's scaled embedding) in a plan; under cp a sliding window (Mistral), an attention
-that is not plain causal attention (another scale), a model without such attention (GPT-2), pp.
+explicit plan), sequence parallelism (their positions and masks come from the sequence a rank
+holds), an nn.Embedding subclass with its own forward (Gemma's scaled embedding) in a plan; under
+cp a sliding window (Mistral), an attention that is not plain causal attention (another scale), a
+model without such attention (GPT-2), pp.
 """
 
 from __future__ import annotations
@@ -195,7 +196,9 @@ TP, CP = dict(tp=2), dict(cp=2)
     ("gpt2", {}, TP, {}, "train it with tp=1"),
     ("gpt2", {"tp_plan": GPT2_PLAN}, TP, {}, "is transformers' Conv1D"),
     ("gpt2", {"tp_plan": GPT2_PLAN}, TP, {}, "fuses q, k and v in one matrix"),
-    ("llama", {"sequence_parallel": True}, TP, {}, "transformers' plans have no sequence-parallel form"),
+    ("llama", {"sequence_parallel": True}, TP, {}, "sequence_parallel=True with a Hugging Face model"),
+    ("llama", {"sequence_parallel": True, "tp_plan": {"model.layers.*.mlp.down_proj": "rowwise"}}, TP, {},
+     "compute positions and masks from the sequence they hold"),
     ("gemma", {"tp_plan": {"model.embed_tokens": "vocab"}}, TP, {}, "with its own forward"),
     # context parallelism: what ring and Ulysses attention cannot compute
     ("mistral", {}, CP, {"build": {"sliding_window": 4}}, "attends over a sliding window of 4 tokens"),

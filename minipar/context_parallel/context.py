@@ -139,7 +139,8 @@ class ContextParallel:
             raise ValueError(f"context parallelism (cp={mesh.cp}) found no attention to split in "
                              f"{type(module).__name__}: it needs modules with q_proj and a context_attention "
                              "slot (minipar.models.GPT's CausalSelfAttention) or a Hugging Face model's attention "
-                             "(q_proj and a config); train this model with cp=1, or build its attention as such a module")
+                             "(q_proj and a config); train this model with cp=1, or build its attention as such a "
+                             "module")
         for a in attns:
             if getattr(a, "dropout", 0.0):
                 raise ValueError(f"attention dropout ({a.dropout}) under context parallelism is not supported: "
@@ -211,7 +212,8 @@ class ContextParallel:
         if not self._armed or self.positions is None:
             return None
         if "position_ids" in kwargs:
-            return args, {**kwargs, "position_ids": self.positions.to(kwargs["position_ids"].device)[kwargs["position_ids"]]}
+            ids = kwargs["position_ids"]
+            return args, {**kwargs, "position_ids": self.positions.to(ids.device)[ids]}
         ids = args[1]
         return (args[0], self.positions.to(ids.device)[ids]) + tuple(args[2:]), kwargs
 

@@ -63,7 +63,7 @@ WHY_REFUSED = {
     "mla_kv_a_proj": "splits part of a projection's output and keeps the rotary part whole; no minipar style does",
     "local_params": "shards bare parameters (attention sinks) for a forward that uses them locally",
     "all_reduce": "sums a module's partial output, a half of a pair with transformers' other local styles",
-    "sequence_parallel": "transformers' sequence-parallel layout; minipar's is sequence_parallel=True with its own plan",
+    "sequence_parallel": "is transformers' sequence-parallel layout, which minipar does not take for its models",
 }
 
 
@@ -72,10 +72,9 @@ def is_hf_plan(module: nn.Module) -> bool:
     return isinstance(getattr(module, "tp_plan", None), dict)
 
 
-def hf_plan(module: nn.Module, tp: int, sequence_parallel: bool = False) -> dict[str, str]:
+def hf_plan(module: nn.Module, tp: int) -> dict[str, str]:
     """``module.tp_plan`` (a transformers model's own) in minipar's styles, or ValueError naming what to
-    pass: the model has no plan, an entry's style is not one minipar reproduces exactly, or
-    ``sequence_parallel`` (transformers' plans have no sequence-parallel form)."""
+    pass: the model has no plan, or an entry's style is not one minipar reproduces exactly."""
     name = type(module).__name__
     own = module.tp_plan
     if not own:
@@ -86,15 +85,14 @@ def hf_plan(module: nn.Module, tp: int, sequence_parallel: bool = False) -> dict
                            "transposed; GPT-2's c_attn fuses q, k and v), which minipar's tensor-parallel layers do "
                            "not take" if conv else "")
             + ": train it with tp=1 (data, ZeRO and pipeline parallelism take it as it is), or pass "
-            "tp_plan={'module.pattern': 'colwise' | 'rowwise' | 'vocab', ...} over its nn.Linear / nn.Embedding modules")
-    if sequence_parallel:
-        raise ValueError(f"sequence_parallel=True with {name}'s own tensor-parallel plan: transformers' plans have "
-                         "no sequence-parallel form; pass sequence_parallel=False, or your own tp_plan")
+            "tp_plan={'module.pattern': 'colwise' | 'rowwise' | 'vocab', ...} over its nn.Linear / nn.Embedding "
+            "modules")
     plan, refused = translate(module)
     if refused:
         raise ValueError(f"the mesh has tp={tp} and {name}'s own tensor-parallel plan (model.tp_plan) has entries "
                          "minipar cannot reproduce exactly: " + "; ".join(refused) + ". Pass tp_plan= yourself, "
-                         f"e.g. the entries minipar translates, which leave those modules whole on every tp rank: {plan}")
+                         "e.g. the entries minipar translates, which leave those modules whole on every tp rank: "
+                         f"{plan}")
     return plan
 
 

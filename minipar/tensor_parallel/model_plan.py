@@ -20,10 +20,17 @@ from .parallelize import TensorParallelConfig
 def plan_for(module: nn.Module, tp: int, config: TensorParallelConfig) -> dict:
     """The plan to apply at ``tp`` > 1: ``config.plan`` when given, else ``module.tp_plan(...)``, else a
     Hugging Face model's own plan translated (`hf_plan`); ValueError naming what to pass when there is none."""
+    if is_hf_plan(module) and config.sequence_parallel:
+        # Its layers derive position ids and the attention mask from the sequence they hold, which
+        # sequence parallelism splits: the rotary tables and masks would be 1/tp long (a shape error
+        # after the first collectives, or worse).
+        raise ValueError(f"sequence_parallel=True with a Hugging Face model ({type(module).__name__}): its layers "
+                         "compute positions and masks from the sequence they hold, which sequence parallelism "
+                         "splits; pass sequence_parallel=False (tensor parallelism itself takes the model)")
     if config.plan is not None:
         return config.plan
     if is_hf_plan(module):
-        return hf_plan(module, tp, sequence_parallel=config.sequence_parallel)
+        return hf_plan(module, tp)
     if callable(getattr(module, "tp_plan", None)):
         return module.tp_plan(tp, sequence_parallel=config.sequence_parallel)
     raise ValueError(f"the mesh has tp={tp} but {type(module).__name__} has no tp_plan(); pass "
