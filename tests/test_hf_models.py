@@ -21,10 +21,10 @@ Face state dict: it loads into a fresh model of the same config with ``strict=Tr
 
 Refused on every rank before any collective, naming the fix (and the model left as it was): a plan
 minipar cannot reproduce exactly (Mixtral's packed experts), GPT-2 (no plan; its Conv1D in an
-explicit plan), sequence parallelism (their positions and masks come from the sequence a rank
-holds), an nn.Embedding subclass with its own forward (Gemma's scaled embedding) in a plan; under
-cp a sliding window (Mistral), an attention that is not plain causal attention (another scale), a
-model without such attention (GPT-2), pp.
+explicit plan), key/value heads tp does not split whole, sequence parallelism (their positions and
+masks come from the sequence a rank holds), an nn.Embedding subclass with its own forward (Gemma's
+scaled embedding) in a plan; under cp a sliding window (Mistral), an attention that is not plain
+causal attention (another scale), a model without such attention (GPT-2), pp.
 """
 
 from __future__ import annotations
@@ -200,6 +200,7 @@ TP, CP = dict(tp=2), dict(cp=2)
     ("llama", {"sequence_parallel": True, "tp_plan": {"model.layers.*.mlp.down_proj": "rowwise"}}, TP, {},
      "compute positions and masks from the sequence they hold"),
     ("gemma", {"tp_plan": {"model.embed_tokens": "vocab"}}, TP, {}, "with its own forward"),
+    ("llama", {}, TP, {"build": {"num_key_value_heads": 1}}, "projects onto 1 heads of 4"),  # a key/value head
     # context parallelism: what ring and Ulysses attention cannot compute
     ("mistral", {}, CP, {"build": {"sliding_window": 4}}, "attends over a sliding window of 4 tokens"),
     ("llama", {}, CP, {"scaling": 1.0}, "computes attention other than causal softmax(q k^T / sqrt(head_dim)) v"),
