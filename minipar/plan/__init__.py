@@ -294,8 +294,8 @@ def _powers(limit: int) -> list[int]:
 
 
 def layouts(model: ModelShape, cluster: Cluster, global_batch: int) -> list[Layout]:
-    """Every layout worth predicting: powers of two per axis, tp within a node, cp only for long
-    sequences (>= 16k tokens) or up to sequence / 4096, ep only for MoE models."""
+    """Every layout worth predicting: powers of two per axis, tp within a node, cp up to sequence / 4096
+    (so only for sequences of 8k tokens and more), ep only for MoE models."""
     out = []
     for tp in [t for t in _powers(cluster.gpus_per_node) if model.heads % t == 0]:
         for cp in _powers(max(1, model.seq // 4096)):
