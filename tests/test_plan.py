@@ -467,7 +467,7 @@ def test_progress_line_waits_then_shows_an_eta():
                      "search: 6/10 layouts (60%), 3 s so far, ETA 2 s",
                      "search: 8/10 layouts (80%), 4 s so far, ETA 1 s",
                      "search: 10 layouts in 5 s"], lines
-    quiet, stream = Progress("search", after=float("inf"), stream=io.StringIO(), clock=clock), None
+    quiet = Progress("search", after=float("inf"), stream=io.StringIO(), clock=clock)
     quiet(10, 10)
     assert quiet.stream.getvalue() == ""
     with pytest.raises(ValueError, match="progress after=-1"):
