@@ -9,7 +9,8 @@ when the dispatch rule (``dispatch.use_triton``: CUDA tensor, or
 Who uses what: the GPT (``minipar.models``) its norms, activations and loss;
 tensor parallelism the vocab-parallel cross-entropy primitives; the ZeRO
 stages the fused AdamW step and the gradient scale-and-cast; the MoE layer
-permute/unpermute and GELU.
+permute/unpermute and GELU; the FP8 linear layers (``minipar.fp8``) the
+row and tile quantisation (``fp8_cast``).
 """
 
 from .activation import gelu, swiglu
@@ -17,6 +18,7 @@ from .add_norm import add_layer_norm, add_rms_norm
 from .adamw import adamw_step_, fused_step, supports as adamw_supports
 from .cross_entropy import cross_entropy, row_stats, xent_grad
 from .dispatch import interpreting, launches, use_triton
+from .fp8_cast import fp8_cast
 from .linear_cross_entropy import linear_cross_entropy
 from .norm import layer_norm, rms_norm
 from .permute import permute, unpermute
@@ -25,4 +27,4 @@ from .scale_cast import scale_cast_
 __all__ = ["interpreting", "launches", "use_triton", "permute", "unpermute", "layer_norm", "rms_norm",
            "add_layer_norm", "add_rms_norm",
            "cross_entropy", "row_stats", "xent_grad", "linear_cross_entropy", "gelu", "swiglu", "adamw_step_",
-           "fused_step", "adamw_supports", "scale_cast_"]
+           "fused_step", "adamw_supports", "scale_cast_", "fp8_cast"]

@@ -33,6 +33,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from .. import kernels
 from .config import float8_dtype
 
 TILE = 128
@@ -65,7 +66,12 @@ def amax_of(x: torch.Tensor, form: str) -> torch.Tensor:
 def scale_from_amax(amax: torch.Tensor, fmt: str, pow2: bool) -> torch.Tensor:
     """fp8_max / amax, rounded down to a power of two with ``pow2`` (then ``x * scale`` never exceeds fp8_max)."""
     scale = torch.finfo(float8_dtype(fmt)).max / amax.clamp(min=AMAX_FLOOR)
-    return torch.exp2(torch.floor(torch.log2(scale))) if pow2 else scale
+    if not pow2:
+        return scale
+    # the power of two at or below: scale = m * 2**e with m in [0.5, 1), exactly (a log2 rounded in fp32
+    # could land on the power above for a scale just below it)
+    _, exponent = torch.frexp(scale)
+    return torch.ldexp(torch.ones_like(scale), exponent - 1)
 
 
 def quantise(x: torch.Tensor, fmt: str, form: str, pow2: bool, amax: torch.Tensor | None = None,
@@ -73,6 +79,11 @@ def quantise(x: torch.Tensor, fmt: str, form: str, pow2: bool, amax: torch.Tenso
     """x (rows, K) -> `Quantised`. ``amax``: already computed (a tensorwise amax shared by x and x^T);
     ``reduce_amax``: called on the amax, in place, before the scale is made (the max over the
     tensor-parallel ranks when the groups span their shards)."""
+    if amax is None and reduce_amax is None and form in ("row", "tile"):
+        # every group is whole on this rank: amax, scale and cast in one pass (a Triton kernel on a GPU)
+        data, inv_scale = kernels.fp8_cast(x.contiguous(), float8_dtype(fmt), x.shape[1] if form == "row" else TILE,
+                                           pow2)
+        return Quantised(data, inv_scale, form)
     if amax is None:
         amax = amax_of(x, form)
         if reduce_amax is not None:
