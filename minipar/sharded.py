@@ -31,7 +31,7 @@ from .context_parallel.context import ContextParallel, check_form
 from .full_state import full_tensors
 from .loss_check import check_loss, vocab_parallel, vocab_split_head
 from .core.grad_norm import clip_
-from .data_parallel.join import Join, scaled
+from .data_parallel.join import Join
 from .core.mesh import Mesh
 from .moe.expert_parallel import apply_experts, check_experts
 from .moe.layer import moe_layers
@@ -44,6 +44,7 @@ from .data_parallel.precision import FP32
 from .config import build_strategy, resolve_configs
 from .data_parallel.strategy import DataParallelConfig
 from .core.syncs import to_device
+from .step import OneStage
 from .tensor_parallel.model_plan import plan_for
 from .tensor_parallel import TensorParallelConfig, check_plan, parallelize, vocab_parallel_cross_entropy
 
@@ -133,6 +134,7 @@ class ShardedModule(nn.Module):
         if cut is not None:  # every micro-batch accumulates locally; the step syncs once (pipeline.step)
             self.strategy.local_accumulation = True
         self.mesh, self.pipeline, self.strategy_name = mesh, cut.runner if cut is not None else None, dp_config.strategy
+        self.runner = self.pipeline or OneStage(mesh)  # the step, at pp = 1 or under the schedule (`minipar.step`)
         policy = dp_config.mixed_precision or FP32  # floating inputs meet parameters of the compute dtype
         self._cast_inputs_to = policy.param_dtype if policy.param_dtype != torch.float32 else None
         self._join: Join | None = None
@@ -188,21 +190,7 @@ class ShardedModule(nn.Module):
                 return None
             self._join.record("train_step", inputs, targets, loss_fn)
             factor = Join.loss_factor(flags, self.mesh.group("dp").ranks, active)
-        if self.pipeline is not None:
-            return self.pipeline.step(self.module, self.strategy, inputs, targets,
-                                      scaled(loss_fn, factor) if factor != 1.0 else loss_fn)
-        if loss_fn is None:
-            loss = own_loss(self(inputs, targets=targets))
-        else:
-            loss = loss_fn(logits_of(self(inputs)), targets)
-        if factor != 1.0:
-            loss = loss * factor
-        scaler = self.strategy.scaler
-        (loss * scaler.scale if scaler.enabled else loss).backward()
-        global_loss = loss.detach().float().reshape(1).clone()
-        group = self.mesh.group(self.mesh.grad_axis)  # cp ranks' losses are weighted to average right
-        self.mesh.comm.all_reduce(global_loss, group, tag="loss")
-        return global_loss.div_(group.size)[0]
+        return self.runner.step(self, inputs, targets, loss_fn, factor)
 
     @property
     def timeline(self) -> list:
@@ -295,25 +283,6 @@ class ShardedModule(nn.Module):
         single-process model's names (`minipar.full_state`)."""
         full = self.strategy.full_params()
         return full_tensors(self, lambda t: full.get(id(t), t))
-
-
-def own_loss(output: Any) -> torch.Tensor:
-    """The loss a model computed itself (``model(inputs, targets=targets)``): the output, or a Hugging
-    Face output's ``.loss``; ValueError, the same on every rank, when it is not a scalar tensor."""
-    loss = getattr(output, "loss", output)
-    if not (torch.is_tensor(loss) and loss.dim() == 0):
-        raise ValueError(f"train_step without a loss_fn needs a model whose forward(inputs, targets=targets) "
-                         f"returns its loss (minipar's GPT does); this one returned {type(output).__name__}: "
-                         "pass a loss_fn")
-    return loss
-
-
-def logits_of(output: Any) -> Any:
-    """What ``loss_fn`` receives: the model's output, or the logits a Hugging Face output holds (a
-    pipeline's last stage hands over logits too)."""
-    logits = getattr(output, "logits", None)
-    return logits if torch.is_tensor(logits) else output
-
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,8 @@ import torch.nn as nn
 from ..context_parallel.context import counted, finite_if_empty
 from ..core.mesh import Mesh
 from ..moe.layer import moe_layers
-from ..data_parallel.strategy import Strategy
+from ..data_parallel.join import scaled
+from ..step import loss_scale, report_loss
 from .executor import run_schedule
 from .schedule import SCHEDULES, Schedule, chunks_per_rank
 from .spec import StageSpec
@@ -116,9 +117,14 @@ class Pipeline:
         if self.config.chunks > 1:
             self.grad_group = self.mesh.twin("pp")
 
-    def step(self, stage: nn.Module, strategy: Strategy, inputs: torch.Tensor, targets: torch.Tensor,
-             loss_fn: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
+    def step(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
+             loss_fn: Callable[[Any, Any], torch.Tensor], factor: float = 1.0) -> torch.Tensor:
+        """One step of this rank's stage (``model.module``) under ``model.strategy``: the runner's
+        answer to `minipar.step` (what it shares with the pp = 1 step: loss scaling, the reported loss)."""
         mesh, m = self.mesh, self.microbatches
+        stage, strategy = model.module, model.strategy
+        if factor != 1.0:  # uneven data (`minipar.data_parallel.join`)
+            loss_fn = scaled(loss_fn, factor)
         if self.failed is not None:  # the same on every stage: each raised in that step
             raise ValueError(f"an earlier step stopped midway ({self.failed}), leaving its messages in the "
                              "pipeline's channels; build a new Mesh and ShardedModule (from full_state_dict() or "
@@ -132,7 +138,7 @@ class Pipeline:
         for layer in moe_layers(stage):  # the loss is a mean over m micro-batches; so is the auxiliary loss
             layer.aux_scale = 1.0 / m
         act_shape = (inputs.shape[0] // m, inputs.shape[1] // self.seq_divisor, self.hidden)
-        scale = strategy.scaler.scale if strategy.scaler.enabled else None
+        scale = loss_scale(strategy)
         if stage.last:
             loss_fn = token_weighted(loss_fn, targets, m)
         stage_loss = loss_fn if scale is None else (lambda out, y: loss_fn(out, y) * scale)  # fp16: scaled backward
@@ -153,11 +159,7 @@ class Pipeline:
                 raise
         sync_tied_grads(stage, mesh, self.tied_shape, already_summed=before)
         strategy.sync_grads()
-        loss = loss.float().reshape(1) if scale is None else loss.float().reshape(1) / scale
-        mesh.comm.all_reduce(loss, mesh.group("pp"), tag="loss")
-        group = mesh.group(mesh.grad_axis)
-        mesh.comm.all_reduce(loss, group, tag="loss")
-        return loss.div_(group.size)[0]
+        return report_loss(loss if scale is None else loss.float() / scale, mesh)
 
 
 def token_weighted(loss_fn: Callable[[Any, Any], torch.Tensor], targets: Any, m: int) -> Callable:
