@@ -53,7 +53,8 @@ ROWS, D, V, SHARD = 256, 4096, 32768, 1 << 20
 H100_SMS = 132  # (the H200 has as many)
 STREAMED = 65536  # elements: per-row statistics of ROWS rows are not streams, activations and shards are
 TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int64: "i64",
-         torch.int32: "i32", torch.bool: "i1", torch.uint8: "u8"}
+         torch.int32: "i32", torch.bool: "i1", torch.uint8: "u8", torch.float8_e4m3fn: "fp8e4nv",
+         torch.float8_e5m2: "fp8e5"}
 
 
 # ----------------------------------------------------------------------------- the cases
@@ -90,6 +91,9 @@ def _cases(dtype: torch.dtype) -> dict[str, callable]:
         "scale_cast": lambda: kernels.scale_cast_(torch.randn(SHARD), torch.empty(SHARD, dtype=dtype), 1 / 1024,
                                                   torch.zeros(1)),
         "adamw": adamw,
+        # an FP8 operand's 1 x 128 tiles and whole rows (blockwise and rowwise recipes), e4m3
+        "fp8_cast_tiles": lambda: kernels.fp8_cast(t(ROWS, D), torch.float8_e4m3fn, 128),
+        "fp8_cast_rows": lambda: kernels.fp8_cast(t(ROWS, D), torch.float8_e4m3fn, D),
     }
     for name in ("add_layer_norm", "add_rms_norm"):  # the fused residual add + norm, where it exists
         fn = getattr(kernels, name, None)
