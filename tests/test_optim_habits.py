@@ -241,8 +241,21 @@ def _sharded_optimizer_api(ctx):
         opt.add_param_group({"params": []})
     except ValueError as e:
         out["add_param_group"] = str(e)
+    # torch's state_dict round trip, groups and scheduled lr included (same layout)
+    sched = _schedule(opt, "cosine")
+    data = batches(7, 1, 1, 2, LOCAL_BS, SEQ, CFG["vocab_size"])[:, 0]
+    _train(model, opt, sched, data, "torch", range(1))
+    again = model.build_optimizer(torch.optim.AdamW, model.named_parameters(), lr=LR)  # one group, by name
+    out["named"] = len(again.param_groups)
+    again = _optimizer(model, "build", "two")
+    again.load_state_dict(opt.state_dict())
+    out["round_trip"] = [g["lr"] for g in again.param_groups] == [g["lr"] for g in opt.param_groups] and all(
+        torch.equal(again.state[a]["exp_avg"], opt.state[b]["exp_avg"])
+        for a, b in zip(again.optimizer.param_groups[0]["params"], opt.optimizer.param_groups[0]["params"]))
+    # a parameter in no group (here on rank 1 only): every rank raises, none goes on to train
+    decay = [p for p in model.parameters() if p.dim() >= 2]
     try:
-        model.build_optimizer(torch.optim.AdamW, [{"params": [p for p in model.parameters() if p.dim() >= 2]}])
+        model.build_optimizer(torch.optim.AdamW, [{"params": decay}] if ctx.rank == 1 else _groups(model, "two"))
     except ValueError as e:
         out["missing"] = str(e)
     return out
@@ -252,4 +265,5 @@ def test_the_sharded_optimizer_answers_as_torch_or_says_why_not(pools):
     for rank, out in enumerate(pools.run(2, _sharded_optimizer_api)):
         assert out["groups"] == 2 and out["decay"] == [WD, 0.0], (rank, out)
         assert "give all parameter groups to model.build_optimizer" in out["add_param_group"], (rank, out)
-        assert "are in no parameter group" in out["missing"], (rank, out)
+        assert out["named"] == 1 and out["round_trip"], (rank, out)
+        assert "rank 1:" in out["missing"] and "are in no parameter group" in out["missing"], (rank, out)

@@ -45,9 +45,10 @@ class Piece:
 
 
 def user_groups(params: Any) -> list[dict]:
-    """torch's forms of an optimizer's ``params`` (tensors, or dicts with "params"), as a list of dicts."""
+    """torch's forms of an optimizer's ``params`` (tensors, (name, tensor) pairs, or dicts with "params"),
+    as a list of dicts of tensors."""
     if isinstance(params, torch.Tensor):
-        raise TypeError("build_optimizer: params must be an iterable of tensors or of dicts, got one tensor; "
+        raise ValueError("build_optimizer: params must be an iterable of tensors or of dicts, got one tensor; "
                         "wrap it in a list")
     groups = list(params)
     if not groups:
@@ -59,8 +60,9 @@ def user_groups(params: Any) -> list[dict]:
         if not isinstance(g, dict) or "params" not in g:
             raise ValueError("build_optimizer: give parameters, or parameter groups as dicts with 'params' "
                              "({'params': [...], 'weight_decay': 0.0}), not a mix")
-        ps = g["params"]
-        out.append({**g, "params": [ps] if isinstance(ps, torch.Tensor) else list(ps)})
+        ps = [g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"])
+        # named_parameters() as torch also takes it: (name, parameter) pairs
+        out.append({**g, "params": [p[1] if isinstance(p, tuple) else p for p in ps]})
     return out
 
 

@@ -45,8 +45,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
             names = ", ".join(f"torch.optim.{c.__name__}" for c in OFFLOAD_OPTIMIZERS)
             raise ValueError(f"optimizer offload (cpu_offload=True or offload=Offload(...)) supports {names}; got "
                              f"{optimizer_cls.__name__}. Use one of those, or no offload")
-        requested = user_groups([p for g in shards.groups for p in g.layout.params] if params is None else params)
-        per_group = split_masters(shards.groups, requested, shards.param_names)
+        if getattr(optimizer_cls, "binds_strategy", False):  # (1-bit Adam: refused before any collective)
+            raise ValueError(f"{optimizer_cls.__name__} takes over DDP's gradient synchronisation and needs the whole "
+                             "momentum, which ZeRO shards: under ZeRO (zero1/zero2/zero3) it is refused; use "
+                             "strategy='ddp' with it, or torch.optim.AdamW under ZeRO")
+        error = None
+        try:
+            requested = user_groups([p for g in shards.groups for p in g.layout.params] if params is None else params)
+            per_group = split_masters(shards.groups, requested, shards.param_names)
+        except ValueError as e:  # (a pipeline stage's groups may be wrong on its ranks alone)
+            error = str(e)
+        _agree_on_groups(shards, error)
         self.shards = shards
         self.pieces: list[Piece] = [pc for pcs in per_group for pc in pcs]
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [pc.param for pc in pcs]}
@@ -184,3 +193,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"ShardedOptimizer(zero{self.shards.stage}, {self.optimizer!r})"
+
+
+def _agree_on_groups(shards: "ShardedState", error: str | None) -> None:
+    """ValueError on every rank when the parameter groups were refused on any (one small collective,
+    so that no rank goes on to train while another has raised)."""
+    errors = shards.comm.all_gather_object(error, shards.world, tag="build_optimizer")
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if not failed:
+        return
+    if len(failed) == len(errors) and len({e for _, e in failed}) == 1:
+        raise ValueError(failed[0][1])
+    raise ValueError("build_optimizer refused the parameter groups on some ranks:\n"
+                     + "\n".join(f"  rank {r}: {e}" for r, e in failed))

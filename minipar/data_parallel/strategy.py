@@ -10,7 +10,7 @@ them without knowing which one they hold::
     local_accumulation   under a pipeline: every micro-batch runs under no_sync, then sync_grads
     unscale_()           reduce, divide out the loss scale; True if some rank overflowed
     grad_pieces()        the pieces of the reduced gradient this rank holds, each with its placement
-    build_optimizer()    the optimizer over what this rank steps
+    build_optimizer()    the torch optimizer over what this rank steps (parameter groups as torch takes them)
     zero_grad()          forget the gradients, wherever the strategy keeps them
     memory_stats()       bytes of persistent parameters, gradients and optimizer state
     full_params(), full_grads()   {id(param): full tensor} (layout-free state, for state dicts)
@@ -184,8 +184,9 @@ class Strategy(abc.ABC):
         ...
 
     @abc.abstractmethod
-    def build_optimizer(self, optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any):
-        ...
+    def build_optimizer(self, optimizer_cls: type[torch.optim.Optimizer], params: Any = None, **kwargs: Any):
+        """A ``torch.optim.Optimizer`` (``optimizer_cls`` over what this rank steps): ``params`` the
+        model's parameters or parameter groups as torch takes them (None: one group of all)."""
 
     @abc.abstractmethod
     def zero_grad(self) -> None:
