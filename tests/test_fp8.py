@@ -25,7 +25,7 @@ import torch.nn as nn
 from hypothesis import given, settings, strategies as st
 
 from minipar import Mesh, MixedPrecision, ShardedModule
-from minipar.fp8 import Float8Config, apply_fp8, fp8_linear
+from minipar.fp8 import Float8Config, apply_fp8, check_fp8, fp8_linear
 from minipar.fp8.config import float8_dtype
 from minipar.models import GPT, GPTConfig, gpt_loss
 from minipar.models.data import markov_batch
@@ -164,6 +164,8 @@ def test_bad_inputs_are_refused_with_the_fix(monkeypatch):
     with pytest.raises(ValueError, match="multiples of 16.*skip=\\['fc'\\]"):
         apply_fp8(nn.ModuleDict({"fc": nn.Linear(40, 64)}), Float8Config("tensorwise"))
     model = GPT(GPTConfig(n_embd=64))
+    with pytest.raises(ValueError, match="blocks of 128.*multiples of 128"):
+        check_fp8(model, Float8Config("blockwise"))  # what a front door calls before its first collective
     with pytest.raises(ValueError, match="blocks of 128.*multiples of 128"):
         apply_fp8(model, Float8Config("blockwise"))
     assert not any(type(m).__name__.startswith("Float8") for m in model.modules()), "a refusal changes nothing"

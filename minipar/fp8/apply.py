@@ -65,16 +65,25 @@ def apply_fp8(module: nn.Module, config: Float8Config, skip: Iterable[str] = ())
     ``skip``: names (full, or the last component, e.g. "proj") of layers to keep in high precision.
     Layers already in FP8 are left as they are, so a second call changes nothing.
     """
+    chosen = check_fp8(module, config, skip)
+    for _, m in chosen:
+        m.__class__ = FP8_CLASS[type(m)]
+        m.fp8_config = config
+    return [name for name, _ in chosen]
+
+
+def check_fp8(module: nn.Module, config: Float8Config, skip: Iterable[str] = ()) -> list[tuple[str, nn.Module]]:
+    """The layers `apply_fp8` would convert, as (name, module), after checking each one's weight dims; raises
+    the ValueError apply_fp8 would, changing nothing. On a model not yet split by tensor parallelism this
+    checks the whole weights (a necessary condition: the shards are checked when apply_fp8 runs after
+    ``parallelize``), so a front door can call it on every rank before its first collective."""
     if not isinstance(config, Float8Config):
         raise ValueError(f"apply_fp8 takes a Float8Config, got {type(config).__name__}")
     skip = set(skip)
     chosen = [(name, m) for name, m in module.named_modules() if _chosen(module, name, m, skip)]
     for name, m in chosen:
         _check_dims(name, m, config)
-    for _, m in chosen:
-        m.__class__ = FP8_CLASS[type(m)]
-        m.fp8_config = config
-    return [name for name, _ in chosen]
+    return chosen
 
 
 def _chosen(root: nn.Module, name: str, m: nn.Module, skip: set[str]) -> bool:
