@@ -216,3 +216,33 @@ def test_what_minipar_cannot_split_exactly_is_refused_before_any_collective(pool
         assert out is not None and message in out[0], out
         assert out[1] == [], out  # nothing was sent
         assert out[2], out  # the model's attention is its own again
+
+
+HAND_PLAN = {"model.embed_tokens": "vocab", "model.layers.*.self_attn": "enter_region",
+             "model.layers.*.self_attn.[qkv]_proj": "colwise_in_region", "model.layers.*.self_attn.o_proj": "rowwise",
+             "model.layers.*.mlp": "enter_region", "model.layers.*.mlp.[gu][ap]*_proj": "colwise_in_region",
+             "model.layers.*.mlp.down_proj": "rowwise", "lm_head": "colwise_gather"}
+
+
+def _tp_traffic(ctx, plan):
+    mesh = Mesh(tp=2)
+    model = ShardedModule(build("llama", tied=False), mesh=mesh, **({"tp_plan": plan} if plan else {}))
+    x = torch.randint(0, VOCAB, (2, SEQ + 1), generator=torch.Generator().manual_seed(1))
+    with mesh.comm.counting() as stats:
+        model.train_step(x[:, :-1], x[:, 1:], lm_loss)
+    mesh.destroy()
+    return sorted((r.op, r.tag, r.bytes) for r in stats.records if r.group == "tp")
+
+
+def test_the_own_plan_sends_what_a_hand_written_region_plan_sends(pools):
+    """Llama's own plan makes q, k, v (and gate, up) plain 'colwise' layers; siblings reading one input
+    share its entry into the region, so a step's tp traffic is the hand-written plan's, where their
+    parents are 'enter_region' (one backward all-reduce per input, not one per projection: 2 per
+    layer, not 5)."""
+    own, hand = pools.run(2, _tp_traffic, None)[0], pools.run(2, _tp_traffic, HAND_PLAN)[0]
+    assert own == hand, (own, hand)
+    layers, hidden, tokens = 2, 16, 2 * SEQ
+    entries = [r for r in own if r[:2] == ("all_reduce", "tp") and r[2] == tokens * hidden * 4]
+    # forward: the embedding, o_proj and down_proj of each layer; backward: the entries of attention,
+    # MLP (one each per layer) and the LM head
+    assert len(entries) == 1 + 2 * layers + 2 * layers + 1, own

@@ -87,19 +87,35 @@ class ColumnParallelLinear(nn.Module):
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
         self.input_in_region = input_in_region
         self.region: list[nn.Module] = []  # set by parallelize: the module whose input entered the region
+        # set by parallelize for column-parallel siblings (q, k, v): {id(x): (x, x entered)}, filled
+        # during their parent's forward and cleared around it, so one input enters the region once
+        self.shared_entry: dict | None = None
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = _shard(linear.weight, self.group, 0, "ColumnParallelLinear out_features")
         self.bias = None if linear.bias is None else _shard(linear.bias, self.group, 0, "bias")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_in_region:
-            x = enter_region(x, self.comm, self.group, self.sequence_parallel)
+            x = self._enter(x)
         elif self.region and not getattr(self.region[0], "_minipar_in_region", False):
             # Without the entry the backward all-reduce is missing and gradients are silently wrong.
             raise RuntimeError(f"{type(self.region[0]).__name__} was marked 'enter_region' but its forward did "
                                "not run around this layer (was it called directly?); use 'colwise' here")
         y = F.linear(x, self.weight, self.bias)
         return gather_from_region(y, self.comm, self.group, dim=-1, tag="tp") if self.gather_output else y
+
+    def _enter(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` entered into the region, once per tensor among the siblings sharing ``shared_entry``:
+        their input gradients then meet in one backward all-reduce (as under "enter_region"). Keyed by
+        the tensor itself (``is``), so siblings given different inputs each enter their own."""
+        if self.shared_entry is None:
+            return enter_region(x, self.comm, self.group, self.sequence_parallel)
+        hit = self.shared_entry.get(id(x))
+        if hit is not None and hit[0] is x:
+            return hit[1]
+        entered = enter_region(x, self.comm, self.group, self.sequence_parallel)
+        self.shared_entry[id(x)] = (x, entered)
+        return entered
 
 
 class RowParallelLinear(nn.Module):

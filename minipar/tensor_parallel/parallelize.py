@@ -20,6 +20,9 @@ parallel model computes what the original did:
     SequenceShard(d)  keep this module, but (under sequence parallelism) split its output along dim d
                       over tp, e.g. a position embedding added to sequence-split activations
 
+Column-parallel siblings that enter the region themselves ('colwise' q, k, v under one attention,
+as in a Hugging Face model's own plan) share the entry of an input they all read, so its gradient
+is all-reduced once, as under "enter_region".
 Weights tied in the original model (an LM head sharing the embedding) stay
 tied when both sides are sharded the same way (vocab rows = column rows).
 Dropout masks follow `TPRandom` (see ``minipar.tensor_parallel.rng``).
@@ -128,6 +131,7 @@ def parallelize(module: nn.Module, mesh: Mesh, plan: dict[str, object], sequence
         swaps.append((parent, child, new))
     for parent, child, new in swaps:
         setattr(parent, child, new)
+    _share_entries(swaps)
     for name, style in targets:
         if style == "enter_region":
             m = module.get_submodule(name)
@@ -156,6 +160,26 @@ def parallelize(module: nn.Module, mesh: Mesh, plan: dict[str, object], sequence
                 for p in m.parameters():
                     mark_sequence_parallel(p, mesh)
     return module
+
+
+def _share_entries(swaps: list) -> None:
+    """Column-parallel siblings that enter the region themselves ('colwise', 'colwise_gather': a
+    Hugging Face plan's q, k, v) share their entries within each call of their parent: an input they
+    all read enters once, so backward all-reduces its gradient once, not once per layer."""
+    by_parent: dict[int, tuple[nn.Module, list]] = {}
+    for parent, _, new in swaps:
+        if isinstance(new, ColumnParallelLinear) and not new.input_in_region:
+            by_parent.setdefault(id(parent), (parent, []))[1].append(new)
+    for parent, layers in by_parent.values():
+        if len(layers) < 2:
+            continue
+        cache: dict = {}
+        for layer in layers:
+            layer.shared_entry = cache
+        # cleared before and after each call: nothing is kept between forwards (a recomputed forward
+        # in backward enters afresh)
+        parent.register_forward_pre_hook(lambda module, args, cache=cache: cache.clear())
+        parent.register_forward_hook(lambda module, args, output, cache=cache: cache.clear())
 
 
 def check_plan(module: nn.Module, plan: dict[str, object], tp: int) -> tuple[list, dict[str, str]]:
