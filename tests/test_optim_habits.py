@@ -59,7 +59,8 @@ CASES = MATRIX if os.environ.get("HYPOTHESIS_PROFILE") == "long" else CI_SAMPLE
 
 
 def _groups(module, groups: str):
-    """The optimizer's params: everything in one group, or matrices decayed and vectors (norms, biases) not, at 2x lr."""
+    """The optimizer's params: everything in one group, or matrices decayed and vectors (norms, biases) not,
+    at twice the lr."""
     if groups == "one":
         return list(module.parameters())
     decay = [p for p in module.parameters() if p.dim() >= 2]
@@ -204,6 +205,24 @@ def test_a_plain_optimizer_over_a_zero_model_is_refused(pools, strategy):
     """It would train nothing (its parameters never get a gradient): every rank raises at the first step."""
     for rank, message in enumerate(pools.run(2, _plain_under, strategy)):
         assert message is not None and "model.build_optimizer(torch.optim.AdamW" in message, f"rank {rank}: {message}"
+
+
+def _plain_after_rewrapping(ctx):
+    inner = GPT(GPTConfig(**CFG))
+    ShardedModule(inner, mesh=Mesh(), strategy="zero2")  # dropped: its refusal must not outlive it
+    model = ShardedModule(inner, mesh=Mesh(), strategy="ddp")
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    x = torch.randint(0, CFG["vocab_size"], (LOCAL_BS, SEQ + 1), generator=torch.Generator().manual_seed(ctx.rank))
+    model.train_step(x[:, :-1], x[:, 1:], model.cross_entropy)
+    before = inner.wte.weight.detach().clone()
+    opt.step()
+    return not torch.equal(before, inner.wte.weight)
+
+
+def test_a_model_wrapped_again_under_ddp_takes_a_plain_optimizer(pools):
+    """The refusal lives with the ZeRO wrapper and applies to the parameters it syncs now: once DDP has
+    wrapped the model again, a plain optimizer trains it."""
+    assert all(pools.run(2, _plain_after_rewrapping))
 
 
 def _save_then_resume(ctx, save_layout, load_layout, data, root):

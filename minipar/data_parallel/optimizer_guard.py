@@ -33,18 +33,26 @@ def guard_params(strategy: Any, params: Iterable[nn.Parameter], strategy_name: s
     alive = weakref.ref(strategy)  # ids are reused once the parameters die: the hook checks first
 
     def refuse_plain_optimizer(optimizer, args, kwargs) -> None:
-        if alive() is None:
+        guarding = alive()
+        if guarding is None:
             return
         for group in optimizer.param_groups:
-            if any(id(p) in guarded for p in group["params"]):
+            if any(id(p) in guarded and _current(p) is guarding for p in group["params"]):
                 cls = type(optimizer)
                 name = f"torch.optim.{cls.__name__}" if cls.__module__.startswith("torch.optim") else cls.__name__
                 raise ValueError(
-                    f"{cls.__name__} was built over the wrapped model's parameters, but strategy={strategy_name!r} keeps "
-                    "their gradients in its shards and steps fp32 master shards instead: this optimizer would "
+                    f"{cls.__name__} was built over the wrapped model's parameters, but strategy={strategy_name!r} "
+                    "keeps their gradients in its shards and steps fp32 master shards instead: this optimizer would "
                     f"change nothing. Build it with model.build_optimizer({name}, lr=...) (parameter "
                     "groups: model.build_optimizer(torch.optim.AdamW, [{'params': decay, 'weight_decay': 0.1}, "
                     "{'params': no_decay, 'weight_decay': 0.0}], lr=...))")
 
     handle = register_optimizer_step_pre_hook(refuse_plain_optimizer)
     weakref.finalize(strategy, handle.remove)
+
+
+def _current(p: nn.Parameter) -> Any:
+    """The strategy that syncs ``p`` now (`minipar.data_parallel.buckets.adopt`): a model wrapped again
+    (say zero1, then DDP) is the newest wrapper's, and a plain optimizer is then right."""
+    ref = getattr(p, "minipar_strategy", None)
+    return ref() if ref is not None else None

@@ -45,10 +45,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
             names = ", ".join(f"torch.optim.{c.__name__}" for c in OFFLOAD_OPTIMIZERS)
             raise ValueError(f"optimizer offload (cpu_offload=True or offload=Offload(...)) supports {names}; got "
                              f"{optimizer_cls.__name__}. Use one of those, or no offload")
-        if getattr(optimizer_cls, "binds_strategy", False):  # (1-bit Adam: refused before any collective)
-            raise ValueError(f"{optimizer_cls.__name__} takes over DDP's gradient synchronisation and needs the whole "
-                             "momentum, which ZeRO shards: under ZeRO (zero1/zero2/zero3) it is refused; use "
-                             "strategy='ddp' with it, or torch.optim.AdamW under ZeRO")
+        if getattr(optimizer_cls, "binds_strategy", False):
+            # An optimizer that takes over DDP's sync (1-bit Adam) refuses to be built without it, in its own
+            # words: let it, before any collective (the same on every rank).
+            optimizer_cls([torch.nn.Parameter(torch.zeros(1))], **kwargs)
+            raise ValueError(f"{optimizer_cls.__name__} takes over DDP's gradient synchronisation: use strategy='ddp'")
         error = None
         try:
             requested = user_groups([p for g in shards.groups for p in g.layout.params] if params is None else params)
