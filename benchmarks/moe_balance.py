@@ -49,7 +49,8 @@ def train(args, variant: str) -> dict:
     layer = MoELayer(d, args.hidden, e, args.top_k, capacity_factor=None, gate="sigmoid", seed=args.seed, **options)
     g = torch.Generator().manual_seed(args.seed + 1)
     direction = F.normalize(torch.randn(d, generator=g), dim=0)
-    teacher_in, teacher_out = torch.randn(d, 4 * d, generator=g) / d ** 0.5, torch.randn(4 * d, d, generator=g) / (2 * d) ** 0.5
+    teacher_in = torch.randn(d, 4 * d, generator=g) / d ** 0.5
+    teacher_out = torch.randn(4 * d, d, generator=g) / (2 * d) ** 0.5
     with torch.no_grad():  # the skew: the first quarter of the experts score high on every token
         layer.gate.weight[:max(1, e // 4)] += args.skew * direction
     opt = torch.optim.AdamW(layer.parameters(), lr=args.lr, weight_decay=0.1)
