@@ -242,9 +242,11 @@ class ShardedModule(nn.Module):
 
         logits: (..., vocab) or (..., vocab / tp); targets: (...).
         """
-        if self.mesh.tp > 1:
+        whole = self.batch_rules.vocab_size is not None and logits.shape[-1] == self.batch_rules.vocab_size
+        if self.mesh.tp > 1 and not whole:  # a split head's logits: (..., vocab / tp)
             return vocab_parallel_cross_entropy(logits, targets, self.mesh.comm, self.mesh.group("tp"),
                                                 ignore_index=ignore_index, label_smoothing=label_smoothing)
+        # whole logits: one process's, or a gathered head's (a Hugging Face model's own plan gathers lm_head)
         return kernels.cross_entropy(logits, targets, ignore_index=ignore_index, label_smoothing=label_smoothing)
 
     @torch.no_grad()

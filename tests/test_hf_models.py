@@ -246,3 +246,23 @@ def test_the_own_plan_sends_what_a_hand_written_region_plan_sends(pools):
     # forward: the embedding, o_proj and down_proj of each layer; backward: the entries of attention,
     # MLP (one each per layer) and the LM head
     assert len(entries) == 1 + 2 * layers + 2 * layers + 1, own
+
+
+def _both_losses(ctx):
+    mesh = Mesh(tp=2)
+    model = ShardedModule(build("llama", tied=False), mesh=mesh)
+    x = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = model(x[:, :-1]).logits
+        out = (logits.shape[-1], model.cross_entropy(logits, x[:, 1:]).item(), lm_loss(logits, x[:, 1:]).item())
+    mesh.destroy()
+    return out
+
+
+def test_model_cross_entropy_takes_a_gathered_heads_whole_logits(pools):
+    """The model's own plan gathers lm_head's output: model.cross_entropy must then be the ordinary
+    cross-entropy over the whole vocabulary (read as a vocab slice it was log 2 off at tp=2).
+    Tolerance: the fused kernel against F.cross_entropy, fp32 default rtol."""
+    for rank, (width, ours, plain) in enumerate(pools.run(2, _both_losses, timeout=120)):
+        assert width == 32, (rank, width)  # the whole vocabulary reached the loss
+        assert ours == pytest.approx(plain, rel=1e-5), (rank, ours, plain)
