@@ -191,7 +191,7 @@ def test_bad_inputs_are_refused_with_the_fix(monkeypatch):
 
 # ----------------------------------------------------------------------------- a GPT's loss curve
 
-CURVE_STEPS = 200 if LONG else 12
+CURVE_STEPS = 200 if LONG else 10
 GPT_CFG = dict(vocab_size=256, block_size=32, n_layer=1, n_head=4, n_embd=128, seed=3)
 
 
@@ -224,7 +224,7 @@ def _curve(model: nn.Module, steps: int, dtype: torch.dtype) -> tuple[list[float
 @pytest.mark.parametrize("scaling", SCALINGS)
 def test_fp8_gpt_follows_the_bf16_loss_curve(scaling):
     """A GPT trained in FP8 (bf16 compute copy, fp32 masters) stays within 0.05 nats of the same run in bf16 at
-    every step (12 steps in CI, 200 under the long profile), and learns: the loss falls by 0.4 nats (in CI) or
+    every step (10 steps in CI, 200 under the long profile), and learns: the loss falls by 0.4 nats (in CI) or
     2 (long). 0.05 nats: the gap seen is ~0.01-0.02, from e4m3's 3 mantissa bits against bf16's 8."""
     bf16, t_bf16 = _curve(GPT(GPTConfig(**GPT_CFG)), CURVE_STEPS, torch.bfloat16)
     model = GPT(GPTConfig(**GPT_CFG))
@@ -418,3 +418,63 @@ def test_fp8_tp_layers_quantise_as_one_process(pools, scaling):
         unsynced = pools.run(2, _tp_mlp, scaling, m, k, n, False)[0]
         worst = max(((a - b).abs().max() / s).item() for a, b, s in zip(unsynced, want, scale))
         assert worst > 1e-3, f"local amaxes should differ visibly, max relative error {worst:.3g}"
+
+
+# ----------------------------------------------------------------------------- the front door
+
+FRONT_DOOR_MISSING = ("ShardedModule does not apply MixedPrecision(fp8=...) yet (the lead's lines in "
+                      "minipar/sharded.py: check_fp8 before the first collective, apply_fp8 after tensor parallelism)")
+
+
+def _front_door_fp8(ctx, cfg: dict, scaling: str, tp: int):
+    """The classes the front door leaves the GPT's linear layers in, and the losses of two steps."""
+    mesh = Mesh(tp=tp)
+    policy = MixedPrecision(param_dtype=torch.float32, fp8=Float8Config(scaling))
+    # zero1: DDP takes no mixed_precision (zero1 is DDP with fp32 masters and a sharded optimizer)
+    sharded = ShardedModule(GPT(GPTConfig(**cfg)), mesh=mesh, strategy="zero1", mixed_precision=policy)
+    classes = {n: type(m).__name__ for n, m in sharded.module.named_modules() if "Linear" in type(m).__name__}
+    opt = sharded.build_optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD, eps=EPS)
+    data = _compose_data(cfg)
+    losses = []
+    for s in range(2):
+        x = data[s].to(ctx.device)
+        losses.append(sharded.train_step(x[:, :-1], x[:, 1:], sharded.cross_entropy).item())
+        opt.step()
+        opt.zero_grad()
+    mesh.destroy()
+    return classes, losses
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_the_front_door_applies_fp8(pools, tp):
+    """ShardedModule(..., mixed_precision=MixedPrecision(fp8=Float8Config(...))) turns the blocks' linear layers
+    (tp=2: the Column/RowParallelLinear ones) into FP8 ones and leaves the LM head; its losses are the
+    single-process FP8 run's (tp=1 exactly as one process; tp=2 to TP_TOLERANCE)."""
+    cfg = _compose_cfg("rowwise", tp)
+    classes, losses = pools.run(tp, _front_door_fp8, cfg, "rowwise", tp)[0]
+    if not any(c.startswith("Float8") for c in classes.values()):
+        print(f"SKIPPED: {FRONT_DOOR_MISSING}")
+        pytest.skip(FRONT_DOOR_MISSING)
+    assert not classes["lm_head"].startswith("Float8")
+    assert all(c.startswith("Float8") for n, c in classes.items() if n != "lm_head"), classes
+    ref_losses = _reference(cfg, "rowwise", _compose_data(cfg)[:2], chunks=1)[0]
+    tol = FP32_TOL if tp == 1 else TP_TOLERANCE["loss"]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **tol)
+
+
+def _front_door_refuses(ctx):
+    try:
+        ShardedModule(GPT(GPTConfig(n_embd=64)), mesh=Mesh(), strategy="zero1",
+                      mixed_precision=MixedPrecision(param_dtype=torch.float32, fp8=Float8Config("blockwise")))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_the_front_door_refuses_dims_fp8_cannot_tile(pools):
+    """Weights the recipe cannot tile: a ValueError on every rank (dp=2), saying the fix."""
+    messages = pools.run(2, _front_door_refuses)
+    if messages == [None, None]:
+        print(f"SKIPPED: {FRONT_DOOR_MISSING}")
+        pytest.skip(FRONT_DOOR_MISSING)
+    assert all(m and "multiples of 128" in m for m in messages), messages
