@@ -284,12 +284,12 @@ def _reference(cfg: dict, scaling: str, data: torch.Tensor, chunks: int):
     return losses, norms, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _train_layout(ctx, cfg: dict, scaling: str, data: torch.Tensor, strategy: str, dp: int, tp: int):
+def _train_layout(ctx, cfg: dict, scaling: str, data: torch.Tensor, strategy: str, dp: int, tp: int, sp: bool = False):
     mesh = Mesh(dp=dp, tp=tp)
     model = GPT(GPTConfig(**cfg))
     if tp == 1:  # before the strategy: nn.Linear -> Float8Linear in place (the lead's front-door call goes here)
         apply_fp8(model, Float8Config(scaling))
-    sharded = ShardedModule(model, mesh=mesh, strategy=strategy, bucket_cap_mb=1e-3)
+    sharded = ShardedModule(model, mesh=mesh, strategy=strategy, bucket_cap_mb=1e-3, sequence_parallel=sp)
     if tp > 1:  # after parallelize: the plan takes plain Linears, then they become FP8 tp layers
         converted = apply_fp8(sharded.module, Float8Config(scaling))
         assert converted and all(type(sharded.module.get_submodule(n)).__name__.startswith("Float8") for n in converted)
@@ -310,7 +310,10 @@ def _train_layout(ctx, cfg: dict, scaling: str, data: torch.Tensor, strategy: st
 
 
 # (strategy, dp, tp) of each layout; FP8 of every recipe through each
-LAYOUTS = {"zero1 dp=2": ("zero1", 2, 1), "zero3 dp=2": ("zero3", 2, 1), "tp=2": ("ddp", 1, 2)}
+LAYOUTS = {"zero1 dp=2": ("zero1", 2, 1, False), "zero3 dp=2": ("zero3", 2, 1, False), "tp=2": ("ddp", 1, 2, False),
+           "tp=2 sp": ("ddp", 1, 2, True)}
+if LONG:  # four ranks: dp x tp together
+    LAYOUTS["zero3 dp=2 x tp=2"] = ("zero3", 2, 2, False)
 # all-reduces of an amax per step and layer under tp=2 (column-parallel q, k, v, fc; row-parallel o, proj):
 # tensorwise, one per split tensor (column: W and dY; row: X and W); rowwise, one per operand contracted over
 # the split dimension (column: dY and W^T in dX; row: X and W in the forward); blockwise none.
@@ -320,7 +323,8 @@ AMAX_CALLS_PER_LAYER_STEP = {"tensorwise": 2, "rowwise": 2, "blockwise": 0}
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("scaling", SCALINGS)
 def test_fp8_composes_with_data_and_tensor_parallelism(pools, scaling, layout):
-    """zero1 and zero3 over dp=2, and tp=2, each train a GPT in FP8 three AdamW steps (clipping fires) to
+    """zero1 and zero3 over dp=2, tp=2 with and without sequence parallelism (and zero3 dp=2 x tp=2 under the
+    long profile) each train a GPT in FP8 three AdamW steps (clipping fires) to
     the single-process FP8 run: losses, gradient norms and parameters.
 
     dp=2: to fp32 tolerances (1e-5): each rank's micro-batch is quantised exactly as the reference's, and
@@ -332,7 +336,7 @@ def test_fp8_composes_with_data_and_tensor_parallelism(pools, scaling, layout):
     parameters within 2 lr per step (AdamW moves a weight at most ~lr per step, so a gradient element
     whose sign flips moves it 2 lr apart; 2.5e-3 seen after 3 steps). The exact claim, that every tp
     rank quantises its shard with the scales of the whole tensor, is test_fp8_tp_layers_quantise_as_one_process's."""
-    strategy, dp, tp = LAYOUTS[layout]
+    strategy, dp, tp, sp = LAYOUTS[layout]
     cfg = _compose_cfg(scaling, tp)
     data = _compose_data(cfg)
     ref_losses, ref_norms, ref_params = _reference(cfg, scaling, data, chunks=dp)
@@ -341,7 +345,7 @@ def test_fp8_composes_with_data_and_tensor_parallelism(pools, scaling, layout):
     layers = 6 * cfg["n_layer"]
     tol = TOLERANCE if tp == 1 else TP_TOLERANCE
     for rank, (losses, norms, state, amax_calls) in enumerate(pools.run(dp * tp, _train_layout, cfg, scaling, data,
-                                                                        strategy, dp, tp)):
+                                                                        strategy, dp, tp, sp)):
         torch.testing.assert_close(f32(losses), f32(ref_losses), **tol["loss"], msg=lambda m: f"rank {rank} losses: {m}")
         torch.testing.assert_close(f32(norms), f32(ref_norms), **tol["norm"], msg=lambda m: f"rank {rank} norms: {m}")
         for name, p in ref_params.items():
