@@ -25,6 +25,11 @@ dequantised to fp32 (data * inv_scale, exact) and multiplied in fp32. The
 numerics are those of the real recipe up to the order of fp32 accumulation.
 A last partial tile or block (K or rows not a multiple of 128) takes the amax of
 the elements it has.
+
+Rows and tiles whose amax needs no other rank's go through
+``minipar.kernels.fp8_cast`` (amax, scale and cast in one pass; a Triton kernel
+on a GPU); the rest (tensorwise, 128 x 128 blocks, amaxes agreed over tp) are
+quantised here with torch ops, to the same bits.
 """
 
 from __future__ import annotations
