@@ -218,10 +218,14 @@ class ShardedModule(nn.Module):
             self._join = None
 
     def build_optimizer(self, optimizer_cls: type[torch.optim.Optimizer], *args: Any, **kwargs: Any):
-        """The optimizer to step: ``optimizer_cls`` over the parameters this rank updates.
+        """The optimizer to step: ``optimizer_cls`` over the parameters this rank updates, always a
+        ``torch.optim.Optimizer`` (every ``torch.optim.lr_scheduler`` works on it).
 
-        Under DDP a plain ``optimizer_cls`` over the module's parameters; under
-        ZeRO a `ShardedOptimizer` over this rank's fp32 master shards.
+        ``args``: the parameters or parameter groups as torch takes them (default: every parameter,
+        one group); ``kwargs``: the optimizer's defaults. Under DDP a plain ``optimizer_cls`` over
+        the module's parameters; under ZeRO a `ShardedOptimizer` over this rank's pieces of its fp32
+        master shards, with groups mirroring the ones given (docs/optimizer.md). A plain torch
+        optimizer over a ZeRO model's parameters is refused at its first step.
         """
         return self.strategy.build_optimizer(optimizer_cls, *args, **kwargs)
 
