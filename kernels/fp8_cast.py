@@ -45,7 +45,8 @@ def _fp8_cast_torch(x: torch.Tensor, dtype: torch.dtype, width: int, pow2: bool)
     rows, k = x.shape
     pad = -k % width
     xf = torch.nn.functional.pad(x.float(), (0, pad)).view(rows, -1, width)
-    scale = fp8_max / xf.abs().amax(dim=2, keepdim=True).clamp(min=1e-12)
+    amax = xf.abs().amax(dim=2, keepdim=True).clamp(min=1e-12)
+    scale = torch.full_like(amax, fp8_max) / amax  # correctly rounded (fp8_max / amax is max * (1 / amax))
     if pow2:
         scale = torch.ldexp(torch.ones_like(scale), torch.frexp(scale)[1] - 1)
     q = (xf * scale).clamp(-fp8_max, fp8_max).to(dtype).view(rows, -1)[:, :k]

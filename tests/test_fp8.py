@@ -50,9 +50,10 @@ def emulate_quantise(t: torch.Tensor, fmt: str, group_rows: int | None, group_co
     for r in range(0, rows, gr):
         for c in range(0, k, gc):
             g = t[r:r + gr, c:c + gc]
-            scale = fp8_max / max(g.abs().max().item(), 1e-12)
-            if pow2:
-                scale = 2.0 ** math.floor(math.log2(scale))
+            # the scale in fp32, as a GPU computes it (a Python float would round x * scale once, from fp64)
+            scale = torch.tensor(fp8_max) / g.abs().max().clamp(min=1e-12)
+            if pow2:  # the fp32 scale, exactly, in fp64: its power of two at or below
+                scale = torch.tensor(2.0 ** math.floor(math.log2(scale.item())))
             out[r:r + gr, c:c + gc] = (g * scale).clamp(-fp8_max, fp8_max).to(fp8).float() / scale
     return out
 

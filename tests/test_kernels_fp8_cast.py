@@ -2,9 +2,10 @@
 against the recipe's definition (minipar.fp8.quantize).
 
 The Triton tests run in a TRITON_INTERPRET=1 child pytest (see ``kernel_testing``); each asserts that the
-kernel launched. With power-of-two scales (the recipes' default) q's bytes and inv_scale are equal; with
-plain scales q's bytes are equal and inv_scale = 1 / scale may differ in its last bit (the interpreter's
-correctly rounded division against torch's reciprocal), so it is compared to 2 ulps (rtol 2**-22).
+kernel launched. q's bytes and inv_scale are equal, with power-of-two scales (the recipes' default) and
+without: both paths divide correctly rounded (``fp8_max / amax`` with a Python float would not: torch
+computes it as a product with the reciprocal, and a scale one ulp off sends an x * scale that lands on a
+tie of the fp8 grid to the other side; seen on 28% of random scales, and as a 1/8 error in one element).
 """
 
 from __future__ import annotations
@@ -44,10 +45,7 @@ def check(rows: int, k: int, width: int | None, fmt: str, pow2: bool, seed: int,
         q_ref, inv_ref = fp8_cast(x, DTYPES[fmt], width, pow2)
     assert q.dtype == DTYPES[fmt] and q.shape == x.shape and inv.shape == (rows, -(-k // width))
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)), (q.float() - q_ref.float()).abs().max()
-    if pow2:
-        assert torch.equal(inv, inv_ref)
-    else:
-        torch.testing.assert_close(inv, inv_ref, rtol=2**-22, atol=0)
+    assert torch.equal(inv, inv_ref)
 
 
 @interpreted

@@ -70,7 +70,10 @@ def amax_of(x: torch.Tensor, form: str) -> torch.Tensor:
 
 def scale_from_amax(amax: torch.Tensor, fmt: str, pow2: bool) -> torch.Tensor:
     """fp8_max / amax, rounded down to a power of two with ``pow2`` (then ``x * scale`` never exceeds fp8_max)."""
-    scale = torch.finfo(float8_dtype(fmt)).max / amax.clamp(min=AMAX_FLOOR)
+    # tensor / tensor: a correctly rounded division (a Python float over a tensor is computed as
+    # float * reciprocal(tensor), one more rounding, which the Triton kernel and a GPU's div.rn do not make)
+    amax = amax.clamp(min=AMAX_FLOOR)
+    scale = torch.full_like(amax, torch.finfo(float8_dtype(fmt)).max) / amax
     if not pow2:
         return scale
     # the power of two at or below: scale = m * 2**e with m in [0.5, 1), exactly (a log2 rounded in fp32
