@@ -30,7 +30,6 @@ from .checks import agree_on_model, broadcast_initial_state, check_batch
 from .context_parallel.context import ContextParallel, check_form
 from .full_state import full_tensors
 from .loss_check import check_loss, vocab_parallel, vocab_split_head
-from .core.grad_norm import clip_
 from .data_parallel.join import Join
 from .core.mesh import Mesh
 from .moe.expert_parallel import apply_experts, check_experts
@@ -236,8 +235,7 @@ class ShardedModule(nn.Module):
         where gradients are no longer reduced and each rank clips its own by its local norm)."""
         if self._join is not None:
             self._join.record("clip", max_norm, norm_type)
-        self.strategy.unscale_()  # reduced and, in fp16, the loss scale divided out
-        return clip_(self.strategy.grad_pieces(), self.mesh, max_norm, norm_type)
+        return self.strategy.clip_grad_norm_(max_norm, norm_type)
 
     @vocab_parallel
     def cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,

@@ -44,9 +44,7 @@ then passes it ``strategy=self``, the one way it can reach the strategy whose sy
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import torch
 import torch.nn as nn
@@ -57,7 +55,7 @@ from ..core.grad_norm import GradPiece
 from ..core.mesh import Mesh
 from ..core.placement import placement_of
 from .precision import LossScaler
-from .strategy import Strategy, optimizer_state_tensors, register_strategy, storage_bytes
+from .strategy import GradState, Strategy, optimizer_state_tensors, register_strategy, storage_bytes
 
 
 @dataclass
@@ -148,8 +146,6 @@ class DDP(BucketHooks, Strategy):
             self.buckets += self._build_buckets(experts[::-1], edp, self.group.size, first=len(self.buckets))
         self.scaler = LossScaler(1.0, 1, enabled=False)  # fp32 only: nothing to scale
         self.optimizer: torch.optim.Optimizer | None = None
-        self._sync = True
-        self._pending = False          # a no_sync backward left gradients that are not reduced yet
         n = sum(len(b.params) for b in self.buckets)
         self._used = [0] * n           # per parameter slot: got a gradient since the last sync
         self.grad_sync_off = False  # set by an optimizer that communicates itself (1-bit Adam, after its warm-up)
@@ -178,7 +174,7 @@ class DDP(BucketHooks, Strategy):
         if self._sync:
             return False  # take() moves it into the bucket
         absorb(bucket.params[i], bucket.views[i])  # no_sync: accumulate in the bucket, in place
-        self._pending = True
+        self.grad_state = GradState.LOCAL
         return True
 
     def _finish_backward(self) -> None:
@@ -196,22 +192,13 @@ class DDP(BucketHooks, Strategy):
                 if used[b.first_slot + i] > 0:
                     b.params[i].grad = b.views[i]  # used on another rank: receives the average
         self._used = [0] * len(self._used)
-        self._pending = False
+        self.grad_state = GradState.REDUCED
 
     # -- public ------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally; the first backward after the block synchronises."""
-        previous, self._sync = self._sync, False
-        try:
-            yield
-        finally:
-            self._sync = previous
-
     def sync_grads(self) -> None:
         """All-reduce what no_sync backwards accumulated, if anything (as a synchronising backward's end)."""
-        if self._pending:
+        if self.grad_state is GradState.LOCAL:
             self._finish_backward()
 
     def grad_pieces(self) -> list[GradPiece]:
@@ -231,7 +218,7 @@ class DDP(BucketHooks, Strategy):
         return self.optimizer
 
     def zero_grad(self) -> None:
-        self._pending = False  # the module's zero_grad dropped what no_sync accumulated
+        self.grad_state = GradState.EMPTY  # the module's zero_grad dropped what no_sync accumulated
 
     def memory_stats(self) -> dict[str, int]:
         ps = list(self.module.parameters())

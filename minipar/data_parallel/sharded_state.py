@@ -22,7 +22,6 @@ user's parameter groups (`minipar.data_parallel.master_pieces`); without a gradi
 from __future__ import annotations
 
 import contextlib
-from enum import Enum
 from typing import Any, Iterator
 
 import torch
@@ -38,7 +37,7 @@ from .optimizer_guard import guard_params
 from .sharded_optimizer import ShardedOptimizer
 from ..core.placement import placement_of
 from .precision import LossScaler, MixedPrecision
-from .strategy import Strategy, optimizer_state_tensors, storage_bytes
+from .strategy import GradState, Strategy, optimizer_state_tensors, storage_bytes
 
 
 
@@ -50,20 +49,6 @@ def make_master(shard: torch.Tensor, real_fp32: torch.Tensor, offload: Offload |
     if shard.dtype == torch.float32 and not offloaded:
         return nn.Parameter(shard[:n], requires_grad=True)
     return nn.Parameter(real_fp32.detach().to("cpu" if offloaded else shard.device, torch.float32, copy=True))
-
-
-class GradState(Enum):
-    """Where a ZeRO stage's gradients of this step are (ZeRO-3's parameters have their `UnitState`).
-
-        EMPTY --backward (no_sync, local accumulation)--> LOCAL --sync_grads--> REDUCED
-        EMPTY --synchronising backward--> REDUCED --unscale_--> UNSCALED --step--> REDUCED
-        any --zero_grad--> EMPTY
-    """
-
-    EMPTY = "empty"        # after zero_grad: no gradient yet
-    LOCAL = "local"        # some wait in p.grad (no_sync backwards), not reduced yet
-    REDUCED = "reduced"    # every gradient so far is reduced into the gradient shards
-    UNSCALED = "unscaled"  # and the loss scale divided out, overflow agreed: ready to step
 
 
 class ShardedState(Strategy):
@@ -134,20 +119,6 @@ class ShardedState(Strategy):
                 g.replicated = True
         for w in works:
             w.wait()
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """With ``local_accumulation`` (ZeRO-1 always; ZeRO-2 and ZeRO-3 under a pipeline): backward
-        accumulates in ``p.grad`` and sends nothing; the next synchronising backward, ``sync_grads``
-        or the step reduces the sum (ZeRO-3 also keeps its units gathered unless
-        ``reshard_after_forward``). Without: changes nothing. ZeRO-2 and ZeRO-3 exist not to hold
-        the full gradient, so every backward reduce-scatters and the shards accumulate."""
-        previous = self._sync
-        self._sync = previous and not self.local_accumulation
-        try:
-            yield
-        finally:
-            self._sync = previous
 
     # -- gradients -------------------------------------------------------------
 

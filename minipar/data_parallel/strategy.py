@@ -30,11 +30,12 @@ import abc
 import math
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable
+from enum import Enum
+from typing import Any, Callable, Iterator
 
 import torch
 
-from ..core.grad_norm import GradPiece
+from ..core.grad_norm import GradPiece, clip_
 from .offload import Offload
 from .precision import LossScaler, MixedPrecision
 
@@ -161,15 +162,52 @@ class DataParallelConfig:
         return "wrap_policy" in strategy_entry(self.strategy).options
 
 
+class GradState(Enum):
+    """Where a strategy's gradients of this step are, the one lifecycle every strategy runs (ZeRO-3's
+    parameters have their own `UnitState` besides):
+
+        EMPTY --backward under no_sync (local accumulation)--> LOCAL --sync_grads--> REDUCED
+        EMPTY --synchronising backward--> REDUCED --unscale_--> UNSCALED --step--> REDUCED
+        any --zero_grad--> EMPTY
+
+    DDP keeps its reduced gradients in ``p.grad`` and never scales (fp32), so it runs EMPTY, LOCAL
+    and REDUCED only.
+    """
+
+    EMPTY = "empty"        # after zero_grad: no gradient yet
+    LOCAL = "local"        # some wait unreduced (no_sync backwards)
+    REDUCED = "reduced"    # every gradient so far is reduced
+    UNSCALED = "unscaled"  # and the loss scale divided out, overflow agreed: ready to step
+
+
 class Strategy(abc.ABC):
     """Base of every data-parallel strategy (see the module docstring)."""
 
     scaler: LossScaler
     local_accumulation: bool
+    mesh: Any
+    grad_state = GradState.EMPTY
+    _sync = True  # False inside no_sync with local accumulation: backward hooks keep gradients local
 
-    @abc.abstractmethod
-    def no_sync(self) -> contextlib.AbstractContextManager:
-        ...
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """With ``local_accumulation`` (DDP and ZeRO-1 always; ZeRO-2 and ZeRO-3 under a pipeline):
+        backward accumulates locally and sends nothing; the next synchronising backward, ``sync_grads``
+        or the step reduces the sum. Without it, nothing changes: ZeRO-2 and ZeRO-3 exist not to hold
+        the full gradient, so every backward reduce-scatters and the shards accumulate."""
+        previous = self._sync
+        self._sync = previous and not self.local_accumulation
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Reduce and unscale (`unscale_`), then clip this rank's pieces by the whole model's norm
+        (`minipar.core.grad_norm.clip_`); returns that norm, equal on every rank. The one question
+        the front door asks to clip."""
+        self.unscale_()
+        return clip_(self.grad_pieces(), self.mesh, max_norm, norm_type)
 
     @abc.abstractmethod
     def sync_grads(self) -> None:
