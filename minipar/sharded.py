@@ -33,6 +33,7 @@ from .loss_check import check_loss, vocab_parallel, vocab_split_head
 from .data_parallel.join import Join
 from .core.mesh import Mesh
 from .moe.expert_parallel import apply_experts, check_experts
+from .moe.balance import update_expert_bias
 from .moe.layer import moe_layers
 from .data_parallel.offload import agree as agree_offload, check_path
 from .recompute import checkpoint_modules, select_checkpointed
@@ -270,6 +271,12 @@ class ShardedModule(nn.Module):
             self.mesh.comm.all_reduce(part, self.mesh.group("tp"), tag="moe_stats")
         aux, z, n, dropped = part.tolist()
         return {"aux": aux / n, "z": z / n, "dropped": int(dropped)} if n else {}
+
+    def update_expert_bias(self) -> None:
+        """After ``opt.step()``, on every rank: MoE layers balanced by bias (``balance="bias"``) move
+        their expert bias by the load counted over the data-parallel x expert-parallel group since
+        the last call (`minipar.moe.balance`); a collective over that group, nothing for other layers."""
+        update_expert_bias(self.module)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``nn.Module.zero_grad``, and what the strategy keeps outside ``p.grad`` (ZeRO's gradient

@@ -302,7 +302,7 @@ def _train_gpt(ctx, layout, m, options, data, overrides):
         losses.append(model.train_step(x[:, :-1], x[:, 1:], model.cross_entropy).item())
         norms.append(model.clip_grad_norm_(0.05).item())
         opt.step()
-        update_expert_bias(model.module)
+        model.update_expert_bias()  # the front door's call
         opt.zero_grad()
     state = model.full_state_dict()
     mesh.destroy()
