@@ -1,7 +1,7 @@
 """The main job: a GPT trained with tensor and pipeline parallelism (and data parallelism on the rest).
 
     torchrun --nproc_per_node=4 benchmarks/gpt_tp_pp.py [--tp 2 --pp 2 --schedule 1f1b --model tiny --dtype fp32
-        --check-bubble 15 --out results --cp 2 --context-parallel ring|ulysses --checkpoint-dir DIR --moe]
+        --check-bubble 15 --out results --cp 2 --context-parallel ring|ulysses --checkpoint-dir DIR --moe [classic|deepseek]]
 
 tp=2 x pp=2 by default, dp the rest of the world; gloo and fp32 on CPU, NCCL and bf16 (ZeRO-1 with fp32
 masters) on GPUs. Presets ``--model`` tiny (~0.8M), small (~30M), medium (GPT-2 small); ``--n-layer
@@ -29,7 +29,8 @@ import torch.distributed as dist
 
 import minipar
 from minipar import ShardedModule, checkpoint
-from minipar.models import GPT, GPTConfig, MoEGPT, MoEGPTConfig, gpt_loss
+from minipar.models import GPT, GPTConfig, MoEGPT, MoEGPTConfig, deepseek_moe_config, gpt_loss
+from minipar.moe.balance import update_expert_bias
 from minipar.models.data import markov_batch
 from minipar.moe.layer import moe_layers
 from minipar.pipeline import SCHEDULES, RankTimeline, chunks_per_rank, simulate, write_trace
@@ -73,7 +74,10 @@ def parse_args():
     add("--peak-tflops", type=float, default=None, help="one GPU's peak bf16 TFLOP/s, for the MFU")
     add("--out", default="results")
     add("--checkpoint-dir", default=None, help="save checkpoints here; resume from the newest")
-    add("--moe", action="store_true", help="mixture-of-experts MLPs (minipar.models.MoEGPT)")
+    add("--moe", nargs="?", const="classic", choices=("classic", "deepseek"), default=None,
+        help="mixture-of-experts MLPs (minipar.models.MoEGPT): classic top-k with a capacity, or deepseek "
+             "(minipar.models.deepseek_moe_config: fine-grained + shared experts, sigmoid gate, bias balancing, "
+             "dropless, group-limited routing; --experts/--top-k/--capacity-factor do not apply); default: none")
     add("--capacity-factor", type=float, default=1.25)
     add("--ep", type=int, default=None, help="expert-parallel size (splits dp); default: dp with --moe")
     args = ap.parse_args()
@@ -126,6 +130,7 @@ def train_step(model: ShardedModule, opt, x: torch.Tensor, before_step=None) -> 
     if before_step is not None:
         before_step()
     opt.step()
+    model.update_expert_bias()  # bias-balanced MoE layers (--moe deepseek); nothing for the others
     opt.zero_grad()
     return loss
 
@@ -177,6 +182,7 @@ def reference_losses(build, ref_cfg, args, dp: int, device) -> list[float]:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
         ref_opt.step()
+        update_expert_bias(ref)
         ref_opt.zero_grad()
         out.append(loss.item())
     return out
@@ -194,7 +200,8 @@ def main() -> int:
     shape = dict(vocab_size=args.vocab, block_size=args.seq, n_layer=args.n_layer, n_head=args.n_head,
                  n_embd=args.n_embd, seed=0)
     if args.moe:
-        cfg = MoEGPTConfig(**shape, n_experts=args.experts, top_k=args.top_k, capacity_factor=args.capacity_factor)
+        cfg = deepseek_moe_config(**shape) if args.moe == "deepseek" else \
+            MoEGPTConfig(**shape, n_experts=args.experts, top_k=args.top_k, capacity_factor=args.capacity_factor)
         # The reference routes each rank's (each micro-batch's, each cp rank's sequence slice's) share of
         # the global batch as its own group; ring cp ranks hold zig-zag chunks, routed in that order.
         order = None
@@ -207,7 +214,7 @@ def main() -> int:
         ref_cfg = cfg
     n_params, flops_per_token = model_flops(build(cfg), args.seq)
     if main_rank:
-        kind = f"MoE GPT ({args.experts} experts, top-{args.top_k}, ep={mesh.ep})" if args.moe else "GPT"
+        kind = f"MoE GPT ({args.moe}: {cfg.n_experts} experts, top-{cfg.top_k}, ep={mesh.ep})" if args.moe else "GPT"
         print(f"minipar: {kind} '{args.model}' {n_params / 1e6:.2f}M parameters on {mesh.world_size} ranks: "
               f"dp={mesh.dp} tp={mesh.tp} pp={mesh.pp}" + (f" cp={mesh.cp} ({args.context_parallel})" if mesh.cp > 1
                                                           else "") + ", "
