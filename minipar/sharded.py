@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_map
 from . import kernels
 from .checks import agree_on_model, broadcast_initial_state, check_batch
 from .context_parallel.context import ContextParallel, check_form
+from .fp8 import apply_fp8, check_fp8
 from .full_state import full_tensors
 from .loss_check import check_loss, vocab_parallel, vocab_split_head
 from .data_parallel.join import Join
@@ -98,6 +99,9 @@ class ShardedModule(nn.Module):
             if mesh.pp > 1 else None
         recomputed = select_checkpointed(module, activation_checkpointing) if activation_checkpointing is not False else []
         check_data_parallel(module, mesh, dp_config, recomputed)
+        policy = dp_config.mixed_precision or FP32
+        if policy.fp8 is not None:  # whole weights here; apply_fp8 checks their tp shards below
+            check_fp8(module, policy.fp8)
         experts = check_experts(module, mesh)
         plan = plan_for(module, mesh.tp, tp_config) if mesh.tp > 1 else None
         if plan is not None:
@@ -128,6 +132,8 @@ class ShardedModule(nn.Module):
         if cut is not None:  # the last stage's tied LM head says whose copy it is (norms, checkpoints)
             cut.mark_replicas(self.module)
         self._moe_sequence_parallel = apply_experts(self.module, mesh, sp) if experts else False
+        if policy.fp8 is not None:  # after tensor parallelism (its plan takes plain Linears), before the strategy
+            apply_fp8(self.module, policy.fp8)
         self.checkpointed = checkpoint_modules(self.module, activation_checkpointing, mesh.device) \
             if activation_checkpointing is not False else []
         self.strategy = build_strategy(dp_config, self.module, mesh, reshard)
@@ -135,7 +141,7 @@ class ShardedModule(nn.Module):
             self.strategy.local_accumulation = True
         self.mesh, self.pipeline, self.strategy_name = mesh, cut.runner if cut is not None else None, dp_config.strategy
         self.runner = self.pipeline or OneStage(mesh)  # the step, at pp = 1 or under the schedule (`minipar.step`)
-        policy = dp_config.mixed_precision or FP32  # floating inputs meet parameters of the compute dtype
+        # floating inputs meet parameters of the compute dtype
         self._cast_inputs_to = policy.param_dtype if policy.param_dtype != torch.float32 else None
         self._join: Join | None = None
 
