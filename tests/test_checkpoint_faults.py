@@ -294,7 +294,7 @@ def test_a_corrupted_file_no_rank_reads_is_refused_on_every_rank(pools, tmp_path
 # -- nothing saved yet -------------------------------------------------------------------------------
 
 def _resume_or_start(ctx, root: pathlib.Path, mixed: bool):
-    """The README's resume: load find_latest(root) when there is one, else start at step 0; then
+    """The resume of docs/checkpoints.md: load find_latest(root) when there is one, else start at step 0; then
     what load(None) says (on one rank only when ``mixed``: the other passes a path)."""
     mesh, model, opt = _build({}, "ddp")
     path = checkpoint.find_latest(root)
