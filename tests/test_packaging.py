@@ -126,3 +126,24 @@ def test_no_import_cycles():
         if u not in state:
             visit(u, [u])
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_kernels_folder_imported_by_its_own_name_stays_empty():
+    """With the repository root on sys.path (`python -m pytest`, a shell there), `import kernels` finds
+    this folder: transformers probes for Hugging Face's `kernels` package that way. That copy must not
+    register minipar's custom ops a second time (it did: the ops then ran the copy's functions, whose
+    dispatch state `minipar.kernels.dispatch.recording` cannot see)."""
+    code = f"""
+import sys
+sys.path.insert(0, {str(ROOT)!r})
+import torch
+import minipar.kernels as mine
+import kernels
+assert kernels is not mine and kernels.__all__ == [] and not hasattr(kernels, "layer_norm"), dir(kernels)
+from minipar.kernels import dispatch
+with dispatch.recording() as launched:
+    torch.ops.minipar.norm_fwd(torch.randn(4, 64), torch.ones(64), torch.zeros(64), 1e-5, False)
+assert launched, "the custom op ran another copy's launcher"
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]

@@ -42,8 +42,6 @@ def slots_of(model) -> list[Slot]:
     mesh, strategy = model.mesh, model.strategy
     names, _ = global_names(model)
     shard_of = strategy.stepped_ranges()  # id(param) -> (master, at, lo, hi, primary) under ZeRO
-    tied_copy = model.module.tied_weight() if mesh.pp > 1 and model.module.last and not model.module.first \
-        else None
     out = []
     for p in model.module.parameters():
         cuts, full = local_cut(p, mesh)
@@ -54,7 +52,8 @@ def slots_of(model) -> list[Slot]:
             owner, at, lo, hi = p, 0, 0, p.numel()
             first_replica = (mesh.edp_rank if where.expert else mesh.dp_rank) == 0 and mesh.cp_rank == 0
         replicated_over_tp = not where.tensor_parallel and mesh.tp_rank != 0
-        writes = first_replica and not replicated_over_tp and p is not tied_copy and hi > lo
+        # a replica (a last stage's tied LM head) is saved once, by its original (the embedding)
+        writes = first_replica and not replicated_over_tp and where.replica_of is None and hi > lo
         out.append(Slot(names[id(p)], p, tuple(full), chunks, lo, hi, owner, at, writes))
     return out
 
