@@ -191,10 +191,12 @@ def interleave(variants: dict[str, Callable[[int], Any]], steps: int, warmup: in
             seconds[name].append(clock() - t0)
             results[name].append(out)
         if talk and (i % log_every == 0 or i == total - 1):
+            elapsed = time.perf_counter() - start  # the ETA: the mean step so far times the steps left
             print(f"step {i:4d}  " + "  ".join(
                 f"{n} {seconds[n][-1] * 1e3:.1f} ms" + (f" loss {results[n][-1]:.4f}"
                                                          if isinstance(results[n][-1], float) else "")
-                for n in names), flush=True)
+                for n in names) + f"  [{i + 1}/{total}, {elapsed:.1f} s, "
+                f"ETA {elapsed / (i + 1) * (total - i - 1):.1f} s]", flush=True)
         if after is not None:
             after(i)
     if aligned:
