@@ -15,13 +15,13 @@ import torch.nn as nn
 from hypothesis import example, given, strategies as st
 
 from minipar import Mesh, ShardedModule
-from minipar.core.placement import placement_of
 from minipar.models import MoEGPT, deepseek_moe_config, gpt_loss
 from minipar.moe.balance import update_expert_bias
 from minipar.moe.layer import MoELayer
 from minipar.moe.router import capacity, route
 
 from helpers import LR, WD
+from test_moe import _full_grads, _loss  # the MoE tests' loss and ep-gathered gradients
 
 LONG = os.environ.get("HYPOTHESIS_PROFILE") == "long"
 # As in test_moe: tiny expert gradients make AdamW's lr/eps amplify fp32 summation-order noise; a
@@ -160,20 +160,6 @@ class Net(nn.Module):
         return self.out(h + self.moe(h))
 
 
-def _loss(out, y):
-    return nn.functional.cross_entropy(out.flatten(0, -2), y.flatten())
-
-
-def _full_grads(model, mesh):
-    out = {}
-    for name, p in model.module.named_parameters():
-        g = p.grad.detach().clone()
-        if placement_of(p).expert and mesh.ep > 1:
-            parts = torch.empty((mesh.ep,) + tuple(g.shape))
-            mesh.comm.all_gather(parts, g.unsqueeze(0), mesh.group("ep"))
-            g = torch.cat(parts.unbind(0))
-        out[name] = g
-    return out
 
 
 def _train_layer(ctx, layout, d, options, seed, xs, ys):
