@@ -214,7 +214,8 @@ def main() -> int:
         ref_cfg = cfg
     n_params, flops_per_token = model_flops(build(cfg), args.seq)
     if main_rank:
-        kind = f"MoE GPT ({args.moe}: {cfg.n_experts} experts, top-{cfg.top_k}, ep={mesh.ep})" if args.moe else "GPT"
+        kind = f"MoE GPT ({cfg.n_experts} experts, top-{cfg.top_k}, ep={mesh.ep}" \
+            f"{', DeepSeekMoE' if args.moe == 'deepseek' else ''})" if args.moe else "GPT"
         print(f"minipar: {kind} '{args.model}' {n_params / 1e6:.2f}M parameters on {mesh.world_size} ranks: "
               f"dp={mesh.dp} tp={mesh.tp} pp={mesh.pp}" + (f" cp={mesh.cp} ({args.context_parallel})" if mesh.cp > 1
                                                           else "") + ", "
