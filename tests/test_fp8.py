@@ -427,8 +427,6 @@ def test_fp8_tp_layers_quantise_as_one_process(pools, scaling):
 
 # ----------------------------------------------------------------------------- the front door
 
-FRONT_DOOR_MISSING = ("ShardedModule does not apply MixedPrecision(fp8=...) yet (the lead's lines in "
-                      "minipar/sharded.py: check_fp8 before the first collective, apply_fp8 after tensor parallelism)")
 
 
 def _front_door_fp8(ctx, cfg: dict, scaling: str, tp: int):
@@ -457,9 +455,6 @@ def test_the_front_door_applies_fp8(pools, tp):
     single-process FP8 run's (tp=1 exactly as one process; tp=2 to TP_TOLERANCE)."""
     cfg = _compose_cfg("rowwise", tp)
     classes, losses = pools.run(tp, _front_door_fp8, cfg, "rowwise", tp)[0]
-    if not any(c.startswith("Float8") for c in classes.values()):
-        print(f"SKIPPED: {FRONT_DOOR_MISSING}")
-        pytest.skip(FRONT_DOOR_MISSING)
     assert not classes["lm_head"].startswith("Float8")
     assert all(c.startswith("Float8") for n, c in classes.items() if n != "lm_head"), classes
     ref_losses = _reference(cfg, "rowwise", _compose_data(cfg)[:2], chunks=1)[0]
@@ -479,7 +474,4 @@ def _front_door_refuses(ctx):
 def test_the_front_door_refuses_dims_fp8_cannot_tile(pools):
     """Weights the recipe cannot tile: a ValueError on every rank (dp=2), saying the fix."""
     messages = pools.run(2, _front_door_refuses)
-    if messages == [None, None]:
-        print(f"SKIPPED: {FRONT_DOOR_MISSING}")
-        pytest.skip(FRONT_DOOR_MISSING)
     assert all(m and "multiples of 128" in m for m in messages), messages

@@ -131,9 +131,7 @@ def _plain_loss_refused(ctx, pp: int, which: str):
 @pytest.mark.parametrize("pp", [1, 2])
 @pytest.mark.parametrize("which", ["gpt_loss", "F.cross_entropy"])
 def test_a_plain_cross_entropy_on_vocab_parallel_logits_is_refused_on_every_rank(pools, pp, which):
-    if not is_vocab_parallel(ShardedModule.cross_entropy):
-        pytest.skip("the front door does not call minipar.loss_check yet: ShardedModule.cross_entropy is not "
-                    "marked @vocab_parallel and _train_step does not call check_loss (issue 31's report)")
+    assert is_vocab_parallel(ShardedModule.cross_entropy)  # the front door's own loss passes the check
     for rank, (message, collectives) in enumerate(pools.run(2 * pp, _plain_loss_refused, pp, which, timeout=60)):
         assert "is not known to take vocab-parallel logits" in message and "model.cross_entropy" in message, \
             (rank, message)
