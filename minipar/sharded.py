@@ -137,8 +137,6 @@ class ShardedModule(nn.Module):
         self.checkpointed = checkpoint_modules(self.module, activation_checkpointing, mesh.device) \
             if activation_checkpointing is not False else []
         self.strategy = build_strategy(dp_config, self.module, mesh, reshard)
-        if cut is not None:  # every micro-batch accumulates locally; the step syncs once (pipeline.step)
-            self.strategy.local_accumulation = True
         self.mesh, self.pipeline, self.strategy_name = mesh, cut.runner if cut is not None else None, dp_config.strategy
         self.runner = self.pipeline or OneStage(mesh)  # the step, at pp = 1 or under the schedule (`minipar.step`)
         # floating inputs meet parameters of the compute dtype

@@ -229,4 +229,4 @@ class DDP(BucketHooks, Strategy):
 
 
 register_strategy("ddp", lambda module, mesh, config, reshard_after_forward: DDP(module, mesh, config.bucket_cap_mb),
-                  options=("bucket_cap_mb",))
+                  options=("bucket_cap_mb",), shards=())

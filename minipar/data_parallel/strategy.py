@@ -5,9 +5,10 @@ each answer these, and the front door, the pipeline step and checkpoints ask
 nothing else, so tensor, pipeline and expert parallelism compose with any of
 them without knowing which one they hold::
 
-    no_sync()            backward inside does not communicate; gradients accumulate locally
+    no_sync(local=...)   backward inside does not communicate; gradients accumulate locally
+                         (``local=True``, as a pipeline asks for every micro-batch: in ``p.grad``
+                         whatever the strategy, even ZeRO-2/3 which otherwise reduce every backward)
     sync_grads()         reduce what local accumulation left (the end of an accumulated step)
-    local_accumulation   under a pipeline: every micro-batch runs under no_sync, then sync_grads
     unscale_()           reduce, divide out the loss scale; True if some rank overflowed
     grad_pieces()        the pieces of the reduced gradient this rank holds, each with its placement
     build_optimizer()    the torch optimizer over what this rank steps (parameter groups as torch takes them)
@@ -42,36 +43,61 @@ from .precision import LossScaler, MixedPrecision
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")  # the built-in ones; "fsdp" is another name for "zero3"
 
 
+SHARDABLE = ("optimizer", "grads", "params")  # what a strategy may keep as shards, in ZeRO's stage order
+
+
 @dataclass(frozen=True)
 class StrategyEntry:
     """A registered data-parallel strategy: how the front door builds it and what it takes.
 
     build(module, mesh, config, reshard_after_forward) -> Strategy; options: the `DataParallelConfig`
     fields it reads besides ``strategy`` (any other one given is refused, naming the strategies that
-    take it); sharded: it shards the optimizer state (``ShardedModule`` then casts floating inputs to
-    the compute dtype, and HSDP meshes accept it)."""
+    take it); shards: what it keeps as shards over the data-parallel group, a subset of `SHARDABLE`
+    (DDP nothing, ZeRO-1 the optimizer state, ZeRO-2 also the gradients, ZeRO-3 also the
+    parameters), or None: unknown, so the planner leaves it out. That declaration is all the planner's
+    arithmetic reads (`minipar.plan.formulas`): what is sharded fixes the state bytes, and the traffic
+    follows (a sharded optimizer needs only its shard of the gradient, a reduce-scatter, then gathers
+    the updated parameters after the step, or per use when the parameters are sharded too).
+    sharded: it shards the optimizer state (``ShardedModule`` then casts floating inputs to the
+    compute dtype, and HSDP meshes accept it)."""
 
     name: str
     build: Callable[..., Any]
     options: frozenset
-    sharded: bool
+    shards: frozenset | None
+
+    @property
+    def sharded(self) -> bool:
+        return self.shards is not None and "optimizer" in self.shards
 
 
 _REGISTRY: dict[str, StrategyEntry] = {}
 
 
-def register_strategy(name: str, build: Callable[..., Any], *, options: tuple[str, ...] = (), sharded: bool = False,
-                      aliases: tuple[str, ...] = ()) -> None:
+def register_strategy(name: str, build: Callable[..., Any], *, options: tuple[str, ...] = (),
+                      shards: tuple[str, ...] | None = None, aliases: tuple[str, ...] = ()) -> None:
     """Make ``strategy=name`` (and each alias) build ``build(module, mesh, config, reshard_after_forward)``:
     a new data-parallel strategy is one module that calls this, and nothing else changes (the front
-    door asks every strategy only the `Strategy` protocol). ``options``: the config fields it reads."""
+    door asks every strategy only the `Strategy` protocol; the planner reads ``shards``).
+    ``options``: the config fields it reads; ``shards``: what it keeps as shards (`StrategyEntry`)."""
     unknown = set(options) - set(_OPTION_FIELDS)
     if unknown:
         raise ValueError(f"register_strategy({name!r}): unknown options {sorted(unknown)}; the config's are "
                          f"{', '.join(_OPTION_FIELDS)}")
-    entry = StrategyEntry(name, build, frozenset(options), sharded)
+    if shards is not None and (set(shards) - set(SHARDABLE) or
+                               tuple(shards) != SHARDABLE[:len(shards)]):
+        # ZeRO's stages nest: sharding the gradients without the optimizer state saves nothing
+        raise ValueError(f"register_strategy({name!r}, shards={shards!r}): give a prefix of {SHARDABLE}, "
+                         "e.g. () for none or ('optimizer', 'grads') for ZeRO-2's")
+    entry = StrategyEntry(name, build, frozenset(options), None if shards is None else frozenset(shards))
     for key in (name, *aliases):
         _REGISTRY[key] = entry
+
+
+def planned_strategies() -> tuple[str, ...]:
+    """The registered strategies that declared what they shard (the planner's arithmetic covers
+    them), aliases folded, in registration order."""
+    return tuple(dict.fromkeys(e.name for e in _REGISTRY.values() if e.shards is not None))
 
 
 def strategy_entry(name: str) -> StrategyEntry:
@@ -184,19 +210,21 @@ class Strategy(abc.ABC):
     """Base of every data-parallel strategy (see the module docstring)."""
 
     scaler: LossScaler
-    local_accumulation: bool
+    local_accumulation: bool  # what no_sync does by default: True for DDP and ZeRO-1 (full gradients anyway)
     mesh: Any
     grad_state = GradState.EMPTY
     _sync = True  # False inside no_sync with local accumulation: backward hooks keep gradients local
 
     @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """With ``local_accumulation`` (DDP and ZeRO-1 always; ZeRO-2 and ZeRO-3 under a pipeline):
+    def no_sync(self, local: bool | None = None) -> Iterator[None]:
+        """With local accumulation (``local``, or by default ``local_accumulation``: DDP and ZeRO-1):
         backward accumulates locally and sends nothing; the next synchronising backward, ``sync_grads``
         or the step reduces the sum. Without it, nothing changes: ZeRO-2 and ZeRO-3 exist not to hold
-        the full gradient, so every backward reduce-scatters and the shards accumulate."""
+        the full gradient, so every backward reduce-scatters and the shards accumulate. A pipeline
+        asks ``local=True`` for every micro-batch: the tied weight's gradient must be summed over
+        its stages before any reduction, and one reduction per step is cheaper than m."""
         previous = self._sync
-        self._sync = previous and not self.local_accumulation
+        self._sync = previous and not (self.local_accumulation if local is None else local)
         try:
             yield
         finally:

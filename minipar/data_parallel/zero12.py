@@ -27,8 +27,8 @@ arrives, a complete bucket is reduce-scattered at once into the persistent
 gradient shard, and at most two launched buckets wait to land before their staging
 buffers are freed (`LaunchOrder`). Only the gradient shards persist, and they
 accumulate over backwards until ``zero_grad``; since nothing else is kept,
-every backward communicates, also inside ``no_sync``. Under pipeline
-parallelism (``local_accumulation``) ``no_sync`` acts as ZeRO-1's: the
+every backward communicates, also inside ``no_sync``. A pipeline asks
+``no_sync(local=True)``, which acts as ZeRO-1's: the
 micro-batches accumulate in ``p.grad`` and ``sync_grads`` reduce-scatters once.
 
 Per step both move what DDP moves: a reduce-scatter plus an all-gather of the
@@ -256,5 +256,7 @@ def _build(stage: type) -> Callable:
     return build
 
 
-register_strategy("zero1", _build(Zero1), options=("bucket_cap_mb", "mixed_precision", "offload"), sharded=True)
-register_strategy("zero2", _build(Zero2), options=("bucket_cap_mb", "mixed_precision", "offload"), sharded=True)
+register_strategy("zero1", _build(Zero1), options=("bucket_cap_mb", "mixed_precision", "offload"),
+                  shards=("optimizer",))
+register_strategy("zero2", _build(Zero2), options=("bucket_cap_mb", "mixed_precision", "offload"),
+                  shards=("optimizer", "grads"))

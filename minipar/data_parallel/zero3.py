@@ -395,4 +395,4 @@ def _following(order: list[Unit], u: Unit) -> Unit | None:
 register_strategy("zero3", lambda module, mesh, config, reshard: Zero3(
     module, mesh, config.mixed_precision or FP32, config.offload, config.wrap_policy, reshard, config.unit_check),
     options=("mixed_precision", "offload", "wrap_policy", "reshard_after_forward", "unit_check"),
-    sharded=True, aliases=("fsdp",))
+    shards=("optimizer", "grads", "params"), aliases=("fsdp",))

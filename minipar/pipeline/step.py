@@ -147,7 +147,7 @@ class Pipeline:
         w = stage.tied_weight()
         before = w.grad.clone() if w is not None and w.grad is not None else None
         self.timeline = [] if self.record_timeline else self.timeline
-        with strategy.no_sync():
+        with strategy.no_sync(local=True):  # every micro-batch accumulates in p.grad; one reduction per step
             try:  # a stage that fails tells the others at once; every stage raises (`minipar.pipeline.abort`)
                 loss, self.peak_live_activations = run_schedule(
                     stage, self.actions, mesh, list(inputs.chunk(m)) if stage.first else None,
