@@ -514,5 +514,32 @@ def test_planner_plans_every_registered_strategy():
     aliases folded: fsdp is zero3) plus hsdp (zero3 over a two-axis mesh, not a registered name): a
     strategy renamed or added to the built-ins must be planned, or this fails."""
     from minipar.data_parallel.strategy import STRATEGIES as BUILT_IN, strategy_entry
-    from minipar.plan import STRATEGIES
-    assert set(STRATEGIES) == {strategy_entry(name).name for name in BUILT_IN} | {"hsdp"}
+    from minipar.plan import strategies
+    assert set(strategies()) >= {strategy_entry(name).name for name in BUILT_IN} | {"hsdp"}
+
+
+def test_a_registered_strategy_is_planned_from_what_it_shards_alone():
+    """A new strategy is one registration: declaring ``shards`` is all the formulas and the planner
+    read. One that shards what ZeRO-2 shards gets ZeRO-2's figures, byte for byte, under another name;
+    one registered without ``shards`` is not planned, and asking the formulas about it says why."""
+    from minipar.data_parallel import strategy as registry
+    from minipar.plan import strategies
+    before = dict(registry._REGISTRY)
+    try:
+        registry.register_strategy("my_zero2", registry.strategy_entry("zero2").build,
+                                   options=("bucket_cap_mb", "mixed_precision"), shards=("optimizer", "grads"))
+        registry.register_strategy("unplanned", registry.strategy_entry("ddp").build)
+        assert "my_zero2" in strategies() and "unplanned" not in strategies()
+        ps = F.ParamSet.of_sizes([[(1000, False), (37, False)]] * 3, [(500, False)], root_first=1)
+        for pipeline in (False, True):
+            theirs = F.DataParallelShape("zero2", 4, param=2, bucket_cap_mb=1e-3)
+            mine = F.DataParallelShape("my_zero2", 4, param=2, bucket_cap_mb=1e-3)
+            assert F.state_bytes(ps, mine) == F.state_bytes(ps, theirs)
+            assert F.dp_calls(ps, mine, 3, pipeline) == F.dp_calls(ps, theirs, 3, pipeline)
+        with pytest.raises(ValueError, match="registered without shards"):
+            F.DataParallelShape("unplanned", 4)
+        with pytest.raises(ValueError, match="prefix"):
+            registry.register_strategy("odd", registry.strategy_entry("ddp").build, shards=("grads",))
+    finally:
+        registry._REGISTRY.clear()
+        registry._REGISTRY.update(before)

@@ -28,10 +28,22 @@ from typing import Callable
 from minipar.plan import formulas as F
 from minipar.core.comm import wire_bytes
 
+from ..data_parallel.strategy import planned_strategies, strategy_entry
 from .presets import H100, MODELS, Cluster, ModelShape
 from .readable import size
 
-STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "hsdp")
+
+
+def strategies() -> tuple[str, ...]:
+    """The data-parallel strategies the planner tries: every registered one that declared what it shards
+    (`minipar.data_parallel.strategy.register_strategy`), then "hsdp": the strategy that shards the
+    parameters too, sharded within a node and replicated across (a mesh, not a registered name)."""
+    return planned_strategies() + ("hsdp",)
+
+
+def _hsdp_strategy() -> str:
+    return next(s for s in planned_strategies() if "params" in F.shards(s))
+
 MEMORY_HEADROOM = 0.9  # allocator fragmentation and the framework's own buffers: plan for 90%
 
 
@@ -49,8 +61,8 @@ class Layout:
     def __post_init__(self) -> None:
         for key in ("tp", "pp", "dp", "cp", "ep", "micro_batch"):
             _positive_int(f"layout {key}", getattr(self, key))
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"layout strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}")
+        if self.strategy not in strategies():
+            raise ValueError(f"layout strategy {self.strategy!r}; choose one of {', '.join(strategies())}")
 
     @property
     def name(self) -> str:
@@ -67,7 +79,7 @@ class Layout:
                     fields["micro_batch" if key == "mbs" else key] = int(part[len(key):])
                     break
             else:
-                if part in STRATEGIES:
+                if part in strategies():
                     fields["strategy"] = part
                 elif part in ("rc", "norc"):
                     fields["recompute"] = part == "rc"
@@ -119,22 +131,29 @@ def validate(model: ModelShape, cluster: Cluster, global_batch: int, top: int | 
         _positive_int("top", top)
 
 
+def _param_bytes(strategy: str) -> int:
+    """Compute bytes per element: 2 (bf16) for a strategy that takes mixed precision, else 4 (DDP's fp32)."""
+    if strategy == "hsdp":
+        strategy = _hsdp_strategy()
+    return 2 if "mixed_precision" in strategy_entry(strategy).options else 4
+
+
 def _positive_int(what: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{what}={value!r} must be a positive integer")
 
 
 def _dp(model: ModelShape, cluster: Cluster, lay: Layout) -> F.DataParallelShape:
-    """The data-parallel strategy of ``lay``: ddp in fp32 (minipar's DDP has no mixed precision), the
-    ZeRO stages in bf16 with fp32 masters; hsdp is zero3 sharded within a node, replicated across."""
-    strategy = "zero3" if lay.strategy == "hsdp" else lay.strategy
+    """The data-parallel strategy of ``lay``: one that takes no mixed precision (DDP) in fp32, the others
+    (the ZeRO stages) in bf16 with fp32 masters; hsdp is zero3 sharded within a node, replicated across."""
+    strategy = _hsdp_strategy() if lay.strategy == "hsdp" else lay.strategy
     grad_ranks = lay.dp * lay.cp
     shard = None
     if lay.strategy == "hsdp":
         per_node = max(1, cluster.gpus_per_node // (lay.tp * lay.cp))
         shard = math.gcd(lay.dp, per_node) * lay.cp
     edp = lay.dp // lay.ep * lay.cp
-    return F.DataParallelShape(strategy, grad_ranks, shard, edp=edp, param=4 if strategy == "ddp" else 2,
+    return F.DataParallelShape(strategy, grad_ranks, shard, edp=edp, param=_param_bytes(strategy),
                           bucket_cap_mb=25.0, reshard_after_forward=lay.pp == 1, cp=lay.cp)
 
 
@@ -187,9 +206,7 @@ def _predict(model: ModelShape, cluster: Cluster, global_batch: int, lay: Layout
     """`evaluate` once ``why`` (`_refusal`'s answer) is known."""
     gpus = lay.tp * lay.pp * lay.dp * lay.cp
     m = max(1, global_batch // (lay.dp * lay.micro_batch)) if not why else 1
-    act_b = 2  # bf16 activations (ddp: fp32, 4)
-    if lay.strategy == "ddp":
-        act_b = 4
+    act_b = _param_bytes(lay.strategy)  # bf16 activations, fp32 for a strategy without mixed precision
     tokens = lay.micro_batch * model.seq // lay.cp  # one micro-batch's tokens on a cp rank
     kv_hidden = max(1, model.kv_heads // lay.tp) * model.head_dim * lay.tp
     ffn = model.moe_ffn * (model.top_k + model.shared_experts) if model.experts else model.ffn
@@ -208,7 +225,7 @@ def _predict(model: ModelShape, cluster: Cluster, global_batch: int, lay: Layout
         recomputed = layers * boundary * in_flight + per_layer  # block inputs, plus one block redone
         logits = tokens * model.vocab // lay.tp * 6 if stage == lay.pp - 1 else 0  # bf16 logits + fp32 grad
         act = (recomputed if lay.recompute else full) + logits
-        buffers = 2 * unit * act_b if dp.strategy == "zero3" else 2 * 25 * 2**20
+        buffers = 2 * unit * act_b if "params" in F.shards(dp.strategy) else 2 * 25 * 2**20
         mem = dict(state, activations=act, activations_full=full + logits, activations_recompute=recomputed + logits,
                    buffers=buffers)
         mem["total"] = state["params"] + state["grads"] + state["optimizer"] + act + buffers
@@ -305,7 +322,7 @@ def layouts(model: ModelShape, cluster: Cluster, global_batch: int) -> list[Layo
                     continue
                 for ep in ([e for e in _powers(min(dp, model.experts)) if model.experts % e == 0]
                            if model.experts else [1]):
-                    for strategy in STRATEGIES:
+                    for strategy in strategies():
                         for mbs in (1, 2, 4):
                             for rc in (False, True):
                                 lay = Layout(tp, pp, dp, cp, ep, strategy, mbs, rc)

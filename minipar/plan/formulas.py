@@ -41,7 +41,7 @@ from ..core.comm import wire_bytes  # the collective layer's own table: one copy
 from ..data_parallel.buckets import bucket_params
 from ..data_parallel.flat import FlatLayout
 from ..core.placement import placement_of
-from ..data_parallel.strategy import DataParallelConfig
+from ..data_parallel.strategy import strategy_entry
 from ..core.units import assign_params, select_units
 
 ADAMW_STATE = 8   # bytes per element: exp_avg and exp_avg_sq in fp32
@@ -58,8 +58,19 @@ def dtype_bytes(dtype: torch.dtype | int | str) -> int:
 
 
 def _canonical(strategy: str) -> str:
-    """``strategy`` with "fsdp" read as "zero3" (`minipar.data_parallel.strategy` defines the alias, and rejects unknown names)."""
-    return "zero3" if DataParallelConfig(strategy).zero3 else strategy
+    """``strategy`` with an alias read as its registered name ("fsdp" as "zero3"); an unknown name
+    raises, naming the registered ones. One it cannot plan (registered without ``shards``) too."""
+    entry = strategy_entry(strategy)
+    if entry.shards is None:
+        raise ValueError(f"strategy {strategy!r} was registered without shards=...: register_strategy needs "
+                         "to know what it shards before its memory and traffic can be predicted")
+    return entry.name
+
+
+def shards(strategy: str) -> frozenset:
+    """What ``strategy`` keeps as shards: a subset of {"optimizer", "grads", "params"} (its registration).
+    Every formula below reads this, never the strategy's name."""
+    return strategy_entry(strategy).shards
 
 
 # -- what is sharded ----------------------------------------------------------------------------
@@ -165,14 +176,14 @@ def flat_groups(ps: ParamSet, dp: DataParallelShape) -> list[Group]:
     parameters in backward order, dense ones first (over dp, or dp_shard), experts after (over edp);
     ZeRO-3 makes one part per unit and axis."""
     axes = {False: (dp.shard_axis, dp.shards, dp.rank), True: ("edp", dp.edp, dp.edp_rank)}
-    if dp.strategy == "ddp":
+    if not shards(dp.strategy):
         axes = {False: (dp.grad_axis, dp.dp, 0), True: ("edp", dp.edp, 0)}  # DDP shards nothing: numel only
 
     def group(indices: list[int], expert: bool) -> Group:
         axis, n, rank = axes[expert]
         return Group(FlatLayout([], sum(ps.tensors[i].numel() for i in indices), n, rank), axis)
 
-    if dp.strategy == "zero3":
+    if "params" in shards(dp.strategy):  # gathered per use, unit by unit
         return [group([i for i in unit if ps.expert[i] == e], e)
                 for unit in ps.units for e in dict.fromkeys(ps.expert[i] for i in unit)]
     cap = max(1, int(dp.bucket_cap_mb * 2**20))
@@ -189,17 +200,17 @@ def state_bytes(ps: ParamSet, dp: DataParallelShape, optimizer: str = "adamw") -
     """{"params", "grads", "optimizer"}: the persistent bytes `memory_stats()` reports on this rank
     (``optimizer``: "adamw", or "sgd" without momentum: no state)."""
     adam = optimizer == "adamw"
-    if dp.strategy == "ddp":
+    sharded = shards(dp.strategy)
+    if not sharded:  # the optimizer steps each parameter tensor in place
         n = ps.numel
         return {"params": n * dp.param, "grads": n * dp.param,
                 "optimizer": (ADAMW_STATE * n + STEP_BYTES * len(ps.tensors)) if adam else 0}
-    zero3 = dp.strategy == "zero3"
     separate_master = dp.param != 4  # else the fp32 shard itself is the master
     params = grads = opt = 0
     for g in flat_groups(ps, dp):
         lay = g.layout
-        params += (lay.shard_size if zero3 else lay.padded) * dp.param
-        grads += (lay.padded if dp.strategy == "zero1" else lay.shard_size) * dp.grad_bytes
+        params += (lay.shard_size if "params" in sharded else lay.padded) * dp.param
+        grads += (lay.shard_size if "grads" in sharded else lay.padded) * dp.grad_bytes
         opt += 4 * lay.real_len if separate_master else 0
         opt += (ADAMW_STATE * lay.real_len + STEP_BYTES) if adam else 0
     return {"params": params, "grads": grads, "optimizer": opt}
@@ -209,9 +220,9 @@ def shard_formula(strategy: str, phi: float, n: int, param: int = 4) -> dict[str
     """The ZeRO paper's closed form per rank, without padding or step counters (AdamW): params,
     grads, optimizer bytes for Φ parameters over N ranks (gradients reduced in the compute dtype)."""
     master_and_moments = ADAMW_STATE + (4 if param != 4 else 0)
-    shard = {"ddp": (1, 1, 1), "zero1": (1, 1, n), "zero2": (1, n, n), "zero3": (n, n, n)}[_canonical(strategy)]
-    return {"params": param * phi / shard[0], "grads": param * phi / shard[1],
-            "optimizer": master_and_moments * phi / shard[2]}
+    split = {what: n if what in shards(strategy) else 1 for what in ("params", "grads", "optimizer")}
+    return {"params": param * phi / split["params"], "grads": param * phi / split["grads"],
+            "optimizer": master_and_moments * phi / split["optimizer"]}
 
 
 # -- communication ------------------------------------------------------------------------------
@@ -236,9 +247,12 @@ def dp_calls(ps: ParamSet, dp: DataParallelShape, backwards: int = 1, pipeline: 
     """The gradient ("grad") and parameter ("param") traffic of one optimizer step of ``backwards``
     micro-batches (no_sync on all but the last, as `ShardedModule` accumulates).
 
-    DDP and ZeRO-1 reduce once per step; ZeRO-2 and ZeRO-3 at every backward, except under a pipeline
-    (once, from p.grad). ZeRO-1/2 all-gather each group after the step. ZeRO-3 gathers as `zero3_gathers`
-    says. HSDP all-reduces each gradient shard over the replicas once per step."""
+    What a strategy shards decides it (`shards`): nothing sharded (DDP) all-reduces once per step; a
+    sharded optimizer needs only its shard of the gradient, a reduce-scatter, once per step while the
+    full gradient is kept (ZeRO-1), at every backward once it is not (ZeRO-2, ZeRO-3), except under a
+    pipeline (once, from p.grad); then it all-gathers each group after the step (ZeRO-1/2), or per use
+    when the parameters are sharded too (ZeRO-3, as `zero3_gathers` says). HSDP all-reduces each
+    gradient shard over the replicas once per step."""
     return [c for calls, per_step, per_backward in dp_repeats(ps, dp, pipeline)
             for c in calls * (per_step + per_backward * backwards)]
 
@@ -247,17 +261,19 @@ def dp_repeats(ps: ParamSet, dp: DataParallelShape, pipeline: bool = False) -> l
     """`dp_calls` as [(calls, times per step, times per backward)], to sum without listing each call."""
     groups, out = flat_groups(ps, dp), []
     sizes = {dp.grad_axis: dp.dp, "dp_shard": dp.shards, "edp": dp.edp}
-    if dp.strategy == "ddp":
+    sharded = shards(dp.strategy)
+    if not sharded:
         return [(call("all_reduce", g.axis, sizes[g.axis], "grad", g.layout.numel * dp.param), 1, 0) for g in groups]
-    zero3, once = dp.strategy == "zero3", dp.strategy == "zero1" or pipeline  # once: reduce once per step
+    # once: reduce once per step, from a full gradient kept until then
+    per_use, once = "params" in sharded, "grads" not in sharded or pipeline
     for g in groups:
         n = sizes[g.axis]
         out.append((call("reduce_scatter", g.axis, n, "grad", g.layout.padded * dp.grad_bytes), int(once), int(not once)))
         if g.axis == "dp_shard":
             out.append((call("all_reduce", "dp_replicate", dp.replicas, "grad", g.layout.shard_size * dp.grad_bytes), 1, 0))
-        if not zero3:
+        if not per_use:
             out.append((call("all_gather", g.axis, n, "param", g.layout.padded * dp.param), 1, 0))
-    if zero3:  # zero3_gathers of one backward: per step under a pipeline, else per backward
+    if per_use:  # zero3_gathers of one backward: per step under a pipeline, else per backward
         for g, gathers in zip(groups, zero3_gathers(ps, dp, 1, pipeline)):
             gather = call("all_gather", g.axis, sizes[g.axis], "param", g.layout.padded * dp.param)
             out.append((gather, gathers, 0) if pipeline else (gather, 0, gathers))

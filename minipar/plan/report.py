@@ -6,7 +6,8 @@ reads "48.3 ms" and a 250 MB gradient exchange "250 MB", whatever the model's sc
 
 from __future__ import annotations
 
-from . import MEMORY_HEADROOM, Layout, evaluate
+from . import MEMORY_HEADROOM, Layout, _hsdp_strategy, evaluate
+from . import formulas as F
 from .presets import Cluster, ModelShape
 from .readable import count, seconds, size
 
@@ -42,6 +43,15 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _state_note(strategy: str, ranks: int) -> str:
+    """What the state figures assume, read from what the strategy shards (its registration)."""
+    split = F.shards(_hsdp_strategy() if strategy == "hsdp" else strategy)
+    if not split:
+        return f"[{strategy}: fp32, 4 + 4 + 8 bytes/param, nothing sharded]"
+    kept = ", ".join(sorted(split, key=("optimizer", "grads", "params").index))
+    return f"[{strategy}: bf16 params/grads, fp32 master + 2 moments; {kept} sharded over {ranks} dp x cp ranks]"
+
+
 def explain(model: ModelShape, cluster: Cluster, global_batch: int, lay: Layout) -> str:
     """The arithmetic behind one layout's figures, or why it is not a layout for this model and cluster."""
     r = evaluate(model, cluster, global_batch, lay)
@@ -53,8 +63,7 @@ def explain(model: ModelShape, cluster: Cluster, global_batch: int, lay: Layout)
     lines = [f"{lay.name} for {model.name} ({count(model.params())} parameters, {count(model.params(True))} "
              f"active) on {cluster.gpus} GPUs; worst stage {r['worst_stage']}",
              "memory per rank (minipar.plan.formulas.state_bytes over this stage's tp/ep shard, padding exact):",
-             state + (f"[{lay.strategy}: bf16 params/grads, fp32 master + 2 moments, sharded over {dp} dp x cp ranks]"
-                      if lay.strategy != "ddp" else "[ddp: 4 + 4 + 8 bytes/param]"),
+             state + _state_note(lay.strategy, dp),
              f"  activations {size(mem['activations'])} (without recomputation {size(mem['activations_full'])}, with "
              f"{size(mem['activations_recompute'])}): layers x in-flight micro-batches (1F1B: min(pp - stage, m)) x "
              f"layer_activation_bytes(micro-batch {lay.micro_batch} x seq {model.seq} / cp {lay.cp}, /tp {lay.tp} with sp) + logits",
