@@ -16,7 +16,7 @@ from fractions import Fraction
 import pytest
 from hypothesis import given, strategies as st
 
-from minipar.plan.formulas import bubble_fraction
+from minipar.plan.compute import bubble_fraction
 from minipar.pipeline import Action, gpipe, one_f_one_b, simulate
 from minipar.pipeline.schedule import SCHEDULES, Schedule, chunks_per_rank, holder, interleaved_1f1b, \
     virtual_stage, zb_h1, zb_v
@@ -123,7 +123,7 @@ def test_activation_memory_stays_within_each_schedules_bound(stages):
 def test_bubble_fractions_are_the_published_ones(stages):
     """With unit costs (F=1, B=2 whole; F=B=W=1 split; a chunk's share 1/v of that), the simulated
     idle share of the step, exactly; for GPipe, 1F1B and interleaved 1F1B it is what the planner
-    uses, `formulas.bubble_fraction(p, m, v)` (a float: the fraction correctly rounded)."""
+    uses, `minipar.plan.compute.bubble_fraction(p, m, v)` (a float: the fraction correctly rounded)."""
     p = stages
     for m in range(p, 4 * p + 1):
         for schedule in (gpipe(p, m), one_f_one_b(p, m)):

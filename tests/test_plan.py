@@ -24,7 +24,7 @@ import torch
 from hypothesis import given, strategies as st
 
 from minipar import Mesh, MixedPrecision, ShardedModule
-from minipar.plan import formulas as F
+from minipar.plan import compute as C, formulas as F
 from minipar.models import GPT, GPTConfig, gpt_loss
 from minipar.recompute import ActivationMemory
 
@@ -262,8 +262,8 @@ def test_block_activations_equal_the_formula(style, batch, seq, recompute):
     measured = _saved_per_block(cfg, batch, seq, recompute=recompute)
     ffn = GPT(GPTConfig(**dict(cfg, n_layer=1))).layers[0].mlp.fc.weight.shape[0]
     tokens, h = batch * seq, cfg["n_embd"]
-    formula = F.checkpointed_layer_bytes(tokens, h, 4) if recompute else \
-        F.layer_activation_bytes(tokens, h, h, ffn, 4, gated=style == "llama", norm_keeps_output=style == "llama")
+    formula = C.checkpointed_layer_bytes(tokens, h, 4) if recompute else \
+        C.layer_activation_bytes(tokens, h, h, ffn, 4, gated=style == "llama", norm_keeps_output=style == "llama")
     if recompute:
         assert measured == formula
     else:
@@ -281,7 +281,7 @@ def test_tensor_parallel_block_activations_equal_the_formula(pools, sp):
     batch, seq = 2, 32
     for rank, measured in enumerate(pools.run(2, _tp_block, ACT_CFG, batch, seq, sp)):
         ffn = 4 * ACT_CFG["n_embd"]
-        formula = F.layer_activation_bytes(batch * seq, ACT_CFG["n_embd"], ACT_CFG["n_embd"], ffn, 4, tp=2,
+        formula = C.layer_activation_bytes(batch * seq, ACT_CFG["n_embd"], ACT_CFG["n_embd"], ffn, 4, tp=2,
                                            sequence_parallel=sp, gated=False)
         assert measured == pytest.approx(formula, rel=ACT_REL), (rank, sp)
 

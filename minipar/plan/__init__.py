@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from typing import Callable
 
-from minipar.plan import formulas as F
+from minipar.plan import compute as C, formulas as F
 from minipar.core.comm import wire_bytes
 
 from ..data_parallel.strategy import planned_strategies, strategy_entry
@@ -210,8 +210,8 @@ def _predict(model: ModelShape, cluster: Cluster, global_batch: int, lay: Layout
     tokens = lay.micro_batch * model.seq // lay.cp  # one micro-batch's tokens on a cp rank
     kv_hidden = max(1, model.kv_heads // lay.tp) * model.head_dim * lay.tp
     ffn = model.moe_ffn * (model.top_k + model.shared_experts) if model.experts else model.ffn
-    per_layer = F.layer_activation_bytes(tokens, model.hidden, kv_hidden, ffn, act_b, lay.tp, True, model.gated)
-    boundary = F.checkpointed_layer_bytes(tokens, model.hidden, act_b, lay.tp)  # a block's input, sequence-parallel
+    per_layer = C.layer_activation_bytes(tokens, model.hidden, kv_hidden, ffn, act_b, lay.tp, True, model.gated)
+    boundary = C.checkpointed_layer_bytes(tokens, model.hidden, act_b, lay.tp)  # a block's input, sequence-parallel
     dp = _dp(model, cluster, lay)
     worst: dict = {}
     for stage in sorted({0, lay.pp - 1, min(1, lay.pp - 1)}):
@@ -282,7 +282,7 @@ def _times(model: ModelShape, cluster: Cluster, global_batch: int, lay: Layout, 
     gpus = lay.tp * lay.pp * lay.dp * lay.cp
     tokens = global_batch * model.seq
     active = _active_params(model)
-    flops = F.training_flops(active, tokens, model.layers, model.seq, model.hidden, lay.recompute)
+    flops = C.training_flops(active, tokens, model.layers, model.seq, model.hidden, lay.recompute)
     compute = flops / (gpus * cluster.peak_flops * cluster.efficiency)
     bubble = compute * (lay.pp - 1) / m
     seconds = {axis: row["wire"] / (cluster.intra_bw if row["link"] == "intra" else cluster.inter_bw)
@@ -294,7 +294,7 @@ def _times(model: ModelShape, cluster: Cluster, global_batch: int, lay: Layout, 
                "tp": seconds.get("tp", 0), "pp": seconds.get("pp", 0), "ep": seconds.get("ep", 0)}
     step = compute + bubble + sum(exposed.values())
     fits = mem["total"] <= cluster.memory * MEMORY_HEADROOM
-    return dict(step_s=step, compute_s=compute, bubble_s=bubble, bubble=F.bubble_fraction(lay.pp, m),
+    return dict(step_s=step, compute_s=compute, bubble_s=bubble, bubble=C.bubble_fraction(lay.pp, m),
                 exposed_s=exposed, comm_s=seconds, tokens_per_s=tokens / step,
                 mfu=6 * active * tokens / step / (gpus * cluster.peak_flops), fits=fits)
 
