@@ -32,6 +32,11 @@ step's first forward stays gathered until then: one all-gather per unit per
 step. With ``True`` each micro-batch gathers a unit for its forward and again
 for its backward (2m all-gathers per step, less memory held between them).
 
+With ``MixedPrecision(fp8=Float8Config(all_gather=True))`` a unit's FP8 layers'
+weights form a flat group of their own that travels as e4m3 bytes and their
+amaxes (`minipar.fp8.gather`: half of bf16's bytes, the same products); the
+gradients' reduce-scatter stays in the reduce dtype.
+
 A parameter shared between units (tied weights) is placed in the root unit,
 which stays gathered through forward and backward, so every user sees it.
 Like ZeRO-1/2, a parameter without a gradient gets a zero gradient.
@@ -53,8 +58,6 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any, Callable
 
 import torch
@@ -62,55 +65,17 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
-from .flat import FlatLayout, ShardGroup
+from .flat import FlatLayout
 from .buckets import EndOfBackward, GradStaging, LaunchOrder, adopt, owner
+from ..fp8.gather import fp8_gather_of, fp8_weights, split_fp8
 from ..core.mesh import Mesh
 from .precision import FP32, MixedPrecision
 from .offload import Offload
 from .sharded_state import GradState, ShardedState, make_master
 from .strategy import register_strategy
 from .unit_turns import UnitTurns
+from .zero3_unit import Part, Unit, UnitState, following
 from ..core.units import assign_params, select_units
-
-class UnitState(Enum):
-    SHARDED = "sharded"
-    GATHERING = "gathering"
-    FULL = "full"
-
-
-@dataclass
-class Part:
-    """A unit's parameters of one shard axis (dense over dp, experts over edp): one flat group."""
-
-    group: ShardGroup
-    full: torch.Tensor                      # (padded,) compute dtype; storage empty while SHARDED
-    grads: GradStaging                      # the part's gradient on its way to the shard
-    index: int = -1                         # of its group in the strategy's groups
-
-
-@dataclass
-class Unit:
-    name: str
-    module: nn.Module
-    parts: list[Part]
-    state: UnitState = UnitState.SHARDED
-    works: list = field(default_factory=list)  # the all-gathers in flight while GATHERING
-    backward_started: bool = False
-    received: int = 0                       # gradients that arrived in this backward
-    is_root: bool = False
-
-    @property
-    def params(self) -> list[nn.Parameter]:
-        return [p for part in self.parts for p in part.group.layout.params]
-
-    @property
-    def n_params(self) -> int:
-        return sum(len(part.group.layout.params) for part in self.parts)
-
-    @property
-    def full_bytes(self) -> int:
-        """Bytes of gathered parameters this unit holds now (0 while SHARDED)."""
-        return sum(part.full.untyped_storage().nbytes() for part in self.parts)
 
 
 class Zero3(ShardedState):
@@ -126,10 +91,13 @@ class Zero3(ShardedState):
         self.units: list[Unit] = []
         owned = assign_params(module, unit_modules)
         axes = {id(p): axis for ps, axis in self.shard_axes([p for ps in owned for p in ps]) for p in ps}
+        # Float8Config(all_gather=True): a unit's FP8 weights are a flat group of their own, gathered in FP8
+        self._fp8_layers = fp8_weights(module) if policy.fp8 is not None and policy.fp8.all_gather else {}
         for (name, m), params in zip(unit_modules + [("<root>", module)], owned):
             if params:
-                parts = [self._make_part([p for p in params if axes[id(p)] is axis], axis, mesh.device)
-                         for axis in dict.fromkeys(axes[id(p)] for p in params)]
+                parts = [self._make_part(ps, axis, mesh.device)
+                         for axis in dict.fromkeys(axes[id(p)] for p in params)
+                         for ps in split_fp8([p for p in params if axes[id(p)] is axis], self._fp8_layers)]
                 self.units.append(Unit(name, m, parts, is_root=m is module))
         self.groups = [part.group for u in self.units for part in u.parts]
         for i, part in enumerate(part for u in self.units for part in u.parts):
@@ -183,7 +151,8 @@ class Zero3(ShardedState):
             p.data = view
         full.untyped_storage().resize_(0)
         group = self.shard_group(lay, shard, master, grad_shard, axis)
-        return Part(group, full, GradStaging(group, self.policy.grad_dtype))
+        fp8 = fp8_gather_of(params, self._fp8_layers, lay, self.policy.fp8.scaling) if self._fp8_layers else None
+        return Part(group, full, GradStaging(group, self.policy.grad_dtype), fp8=fp8)
 
     # -- the unit state machine --------------------------------------------------
 
@@ -206,8 +175,11 @@ class Zero3(ShardedState):
             if part.full.untyped_storage().nbytes() != nbytes:
                 part.full.untyped_storage().resize_(nbytes)
             shard = self.homes.to_device(part.group, part.index, self._reads)  # (brought in when offloaded)
-            u.works.append(self.comm.all_gather(part.full, shard, self._twin[part.group.axis.name],
-                                                async_op=True, tag="param"))
+            group = self._twin[part.group.axis.name]
+            if part.fp8 is not None:  # e4m3 bytes and their amaxes, dequantised on landing
+                u.works.append(part.fp8.gather(self.comm, part.full, shard, group))
+            else:
+                u.works.append(self.comm.all_gather(part.full, shard, group, async_op=True, tag="param"))
         if async_op:
             u.state = UnitState.GATHERING
         else:
@@ -252,10 +224,10 @@ class Zero3(ShardedState):
         def pre_forward(module, args) -> None:
             self.unshard(u)
             self._fwd_order.append(u)
-            nxt = _following(self._last_fwd_order, u)
+            nxt = following(self._last_fwd_order, u)
             if nxt is not None:
                 self.unshard(nxt, async_op=True)  # prefetch: overlaps the next unit's gather with this compute
-                self._read_ahead(_following(self._last_fwd_order, nxt))
+                self._read_ahead(following(self._last_fwd_order, nxt))
         return pre_forward
 
     def _read_ahead(self, u: Unit | None) -> None:
@@ -289,10 +261,10 @@ class Zero3(ShardedState):
         u.backward_started = True
         self.unshard(u)
         backward_order = list(reversed(self._fwd_order))
-        prev = _following(backward_order, u)
+        prev = following(backward_order, u)
         if prev is not None and not prev.is_root:
             self.unshard(prev, async_op=True)
-            self._read_ahead(_following(backward_order, prev))
+            self._read_ahead(following(backward_order, prev))
 
     def _grad_hook(self, k: int, j: int, i: int) -> Callable:
         """Parameter i of part j of unit k: held by index and the strategy weakly, since whatever the
@@ -382,14 +354,6 @@ class Zero3(ShardedState):
     def unit_states(self) -> dict[str, str]:
         """{unit name: "sharded" | "gathering" | "full"}, for tests and debugging."""
         return {u.name: u.state.value for u in self.units}
-
-
-def _following(order: list[Unit], u: Unit) -> Unit | None:
-    """The unit after ``u`` in ``order`` (None if ``u`` is last or absent)."""
-    for i, x in enumerate(order[:-1]):
-        if x is u:
-            return order[i + 1]
-    return None
 
 
 register_strategy("zero3", lambda module, mesh, config, reshard: Zero3(

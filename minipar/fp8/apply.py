@@ -31,7 +31,7 @@ import torch.nn as nn
 from ..moe.layer import MoELayer
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from .config import Float8Config
-from .linear import AmaxSync, Float8Linear, LinearInFp8
+from .linear import AmaxSync, Float8Linear, LinearInFp8, check_gathered
 
 
 class Float8ColumnParallelLinear(ColumnParallelLinear):
@@ -40,6 +40,7 @@ class Float8ColumnParallelLinear(ColumnParallelLinear):
     fp8_config: Float8Config
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        check_gathered(self)
         with LinearInFp8(self.weight, self.fp8_config, AmaxSync(self.comm, self.group, "out")):
             return super().forward(x)
 
@@ -50,6 +51,7 @@ class Float8RowParallelLinear(RowParallelLinear):
     fp8_config: Float8Config
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        check_gathered(self)
         with LinearInFp8(self.weight, self.fp8_config, AmaxSync(self.comm, self.group, "in")):
             return super().forward(x)
 
@@ -72,13 +74,18 @@ def apply_fp8(module: nn.Module, config: Float8Config, skip: Iterable[str] = ())
     return [name for name, _ in chosen]
 
 
-def check_fp8(module: nn.Module, config: Float8Config, skip: Iterable[str] = ()) -> list[tuple[str, nn.Module]]:
+def check_fp8(module: nn.Module, config: Float8Config, skip: Iterable[str] = (),
+              zero3: bool | None = None) -> list[tuple[str, nn.Module]]:
     """The layers `apply_fp8` would convert, as (name, module), after checking each one's weight dims; raises
     the ValueError apply_fp8 would, changing nothing. On a model not yet split by tensor parallelism this
     checks the whole weights (a necessary condition: the shards are checked when apply_fp8 runs after
-    ``parallelize``), so a front door can call it on every rank before its first collective."""
+    ``parallelize``), so a front door can call it on every rank before its first collective. ``zero3``:
+    whether the data-parallel strategy is ZeRO-3 (False refuses ``all_gather=True``; None: not known)."""
     if not isinstance(config, Float8Config):
         raise ValueError(f"apply_fp8 takes a Float8Config, got {type(config).__name__}")
+    if config.all_gather and zero3 is False:
+        raise ValueError("Float8Config(all_gather=True) gathers parameters in FP8, which only ZeRO-3 gathers: use "
+                         "strategy='zero3' (HSDP too: a mesh with dp_shard), or Float8Config(all_gather=False)")
     skip = set(skip)
     chosen = [(name, m) for name, m in module.named_modules() if _chosen(module, name, m, skip)]
     for name, m in chosen:

@@ -125,6 +125,15 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return y if bias is None else y + bias
 
 
+def check_gathered(layer: nn.Module) -> None:
+    """An FP8 layer whose recipe says all_gather=True must have its weight gathered by ZeRO-3
+    (`minipar.fp8.gather.fp8_weights` marks it): elsewhere the option would do nothing, silently."""
+    if layer.fp8_config.all_gather and not getattr(layer, "gathered_in_fp8", False):
+        raise ValueError(f"Float8Config(all_gather=True) on a {type(layer).__name__} whose weight no ZeRO-3 "
+                         "strategy gathers: the FP8 all-gather is ZeRO-3's parameter gather; use strategy='zero3' "
+                         "(HSDP too: a mesh with dp_shard), or Float8Config(all_gather=False)")
+
+
 class Float8Linear(nn.Linear):
     """An ``nn.Linear`` whose matmul runs in FP8 (`apply_fp8` turns a Linear into one in place, keeping its
     parameters, their names and hooks). ``fp8_config``: the recipe."""
@@ -132,6 +141,7 @@ class Float8Linear(nn.Linear):
     fp8_config: Float8Config
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        check_gathered(self)
         return fp8_linear(x, self.weight, self.bias, self.fp8_config)
 
 
