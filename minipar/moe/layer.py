@@ -10,7 +10,8 @@ holding ``E / P`` experts each (expert ``e`` lives on ep rank ``e // (E / P)``):
     permute    kept (token, expert) assignments sorted by expert: x_perm = x[token_of_assignment]
     counts     all-to-all of the per-expert counts, so every rank knows what it will receive
     dispatch   all-to-all of x_perm with uneven splits (rows for ep rank j go to rank j)
-    compute    received rows regrouped by local expert; expert j: y = gelu(x W1_j + b1_j) W2_j + b2_j
+    compute    received rows regrouped by local expert; expert j: y = gelu(x W1_j + b1_j) W2_j + b2_j,
+               every local expert at once in two grouped products (`minipar.moe.experts`), no padding
     combine    the inverse all-to-all; out[t] = sum over t's kept choices of weight * y
     shared     with S shared experts, out[t] += the dense MLP of width S * d_hidden on x[t]
 
@@ -81,6 +82,7 @@ from einops import rearrange
 from ..core import regions
 from ..core.placement import place
 from ..kernels import gelu, permute, unpermute
+from .experts import expert_mlp
 from .router import capacity, check_moe_config, route
 
 __all__ = ["MoELayer", "SharedExperts", "check_moe_config", "moe_layers"]
@@ -240,7 +242,7 @@ class MoELayer(nn.Module):
     def _experts(self, x_perm: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Run rows sorted by (global) expert through their experts, wherever those live."""
         if self.ep_size == 1:
-            return self._local_experts(x_perm, counts.tolist())
+            return self._local_experts(x_perm, counts)
         comm, group, n_local, p = self.comm, self.ep_group, self.local_experts, self.ep_size
         # 1. Counts first: received[s, j] = rows ep rank s sends to my local expert j.
         received = torch.empty_like(counts)
@@ -253,22 +255,15 @@ class MoELayer(nn.Module):
         # 3. Regroup by local expert (stable: source order within an expert), compute, restore the order.
         local_expert = torch.arange(n_local, device=x_perm.device).repeat(p).repeat_interleave(received.flatten())
         by_expert = local_expert.argsort(stable=True)
-        y_sorted = self._local_experts(permute(x_recv, by_expert), received.sum(dim=0).tolist())
+        y_sorted = self._local_experts(permute(x_recv, by_expert), received.sum(dim=0))
         y_recv = unpermute(y_sorted, by_expert, x_recv.shape[0])
         # 4. Combine: the inverse exchange, splits swapped.
         return regions.all_to_all(y_recv, comm, group, send_splits, recv_splits, tag="moe_combine")
 
-    def _local_experts(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """x: rows grouped by local expert, counts[j] rows for expert j -> each row through its expert.
-
-        One matmul pair per expert (a loop over experts, never over tokens). An expert with no rows
-        still runs on an empty block, so its parameters get a zero gradient rather than none.
-        """
-        outs = []
-        for j, rows in enumerate(x.split(counts)):
-            h = gelu(torch.addmm(self.b1[j], rows, self.w1[j]))
-            outs.append(torch.addmm(self.b2[j], h, self.w2[j]))
-        return torch.cat(outs)
+    def _local_experts(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x: rows grouped by local expert, counts[j] (a tensor) rows for expert j -> each row through its
+        expert, in two grouped products over all local experts (`minipar.moe.experts`)."""
+        return expert_mlp(x, counts, self.w1, self.b1, self.w2, self.b2)
 
 
 class SharedExperts(nn.Module):
