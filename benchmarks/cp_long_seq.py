@@ -2,14 +2,13 @@
 
     torchrun --nproc_per_node=4 benchmarks/cp_long_seq.py [--seq 8192 --cp-sizes 1,2,4 --forms ring,ulysses --smoke]
 
-The whole world trains the GPT in every layout: cp = 1 (the baseline) and, for each cp size C dividing
-the world and each form, ``minipar.init(cp=C)`` with ``context_parallel=form`` (dp = world / C groups,
-each given ``--batch`` full sequences), timed by `harness.interleave`. Printed per layout and rank: the
-peak bytes autograd keeps inside attention (`minipar.recompute.ActivationMemory`, on only while an
-attention module runs) over cp = 1's (goals <= 0.55 at cp = 2, <= 0.30 at cp = 4), the whole model's
-(warm-up step), tokens/s, and the attention bytes sent on the cp axis against `theory_bytes`. torch's
-``context_parallel`` is timed the same way where it runs, or its exception printed (on a CPU it has no
-sharding rule for SDPA's CPU flash op). The default (seq 8192) takes a few minutes on 4 CPU ranks.
+The world trains the GPT in every layout: cp = 1 (the baseline) and, per cp size C dividing the world and
+form, ``minipar.init(cp=C)`` with ``context_parallel=form`` (dp = world / C groups, each given ``--batch``
+full sequences). Per layout and rank: the peak bytes autograd keeps inside attention (`ActivationMemory`,
+on while an attention module runs) over cp = 1's (goals <= 0.55 at cp = 2, <= 0.30 at cp = 4), the whole
+model's (warm-up step), tokens/s, and the attention bytes sent on the cp axis against `theory_bytes`.
+torch's ``context_parallel`` is timed alike where it runs, or its exception printed (on a CPU it has no
+sharding rule for SDPA's CPU flash op). The default (seq 8192) takes minutes on 4 CPU ranks.
 """
 
 from __future__ import annotations
@@ -180,18 +179,15 @@ def try_torch(args, cfg, cp: int, device: torch.device) -> tuple[TorchRun | None
 def main() -> int:
     args = parse_args()
     base = harness.init(exact=True)  # on a GPU, the layouts must not round matmul inputs to TF32
-    world, rank, device = base.world_size, base.rank, base.device
+    world, device = base.world_size, base.device
     cfg = harness.gpt_config(args, dropout=0.0, seed=0)
-    runs = [MiniparRun(args, cfg, 1, None)]
-    runs += [MiniparRun(args, cfg, c, form) for c in args.cp_sizes if c > 1 for form in args.forms]
+    runs = [MiniparRun(args, cfg, 1, None)] + [MiniparRun(args, cfg, c, f) for c in args.cp_sizes[1:] for f in args.forms]
     torch_errors: dict[int, str] = {}
-    for c in ([] if args.no_torch else [c for c in args.cp_sizes if c > 1]):
+    for c in [] if args.no_torch else args.cp_sizes[1:]:
         run, error = try_torch(args, cfg, c, device)
-        if run is not None:
-            runs.append(run)
-        else:
-            torch_errors[c] = error
-    if rank == 0:
+        runs += [run] if run is not None else []
+        torch_errors.update({} if run is not None else {c: error})
+    if base.rank == 0:
         print(f"GPT {sum(p.numel() for p in GPT(cfg).parameters()) / 1e6:.2f}M parameters ({args.n_layer} layers x "
               f"{args.n_embd}, {args.n_head} heads, vocab {args.vocab}), seq {args.seq}, batch {args.batch} per cp "
               f"group, {world} ranks, {device.type}/{dist.get_backend()}; cp sizes {args.cp_sizes}" +
@@ -206,7 +202,7 @@ def main() -> int:
             dist.all_reduce(losses)
             run.report["losses"] = (losses / world).tolist()
     reports = [base.comm.all_gather_object(run.report, base.world, tag="report") for run in runs]
-    if rank == 0:
+    if base.rank == 0:
         report(args, world, runs, reports, t, torch_errors)
     for run in runs:
         if run.form != "torch":
@@ -219,57 +215,48 @@ def main() -> int:
 
 def report(args, world, runs, reports, t: harness.Timings, torch_errors) -> None:
     """The table of layouts, the torch comparison, and --json."""
-    result = {"args": vars(args), "world": world, "runs": [], "torch": []}
-    rows, ring_times, first_loss = [], {}, {}
-    ints = lambda values: ", ".join(f"{v:,}" for v in sorted(set(values)))  # noqa: E731
-    for run, per_rank in zip(runs, reports):
-        if run.form == "torch":
-            continue
+    result, rows, ring_times, first_loss = {"args": vars(args), "world": world, "runs": [], "torch": []}, [], {}, {}
+    mib = lambda values: ", ".join(f"{v / 2**20:,.2f}" for v in values) + " MiB"  # noqa: E731
+    for run, per_rank in ((r, p) for r, p in zip(runs, reports) if r.form != "torch"):
         cp, form, dp, median = run.cp, run.form, world // run.cp, t.median(run.name)
-        attn = [r["attention_peak"] for r in per_rank]
+        attn, whole = [r["attention_peak"] for r in per_rank], [r["model_peak"] for r in per_rank]
         ratios = [a / b["attention_peak"] for a, b in zip(attn, reports[0])]
-        whole, tokens_per_s = [r["model_peak"] for r in per_rank], dp * args.batch * args.seq / median
-        every_step = {b for r in per_rank for b in r["traffic"]}  # every rank, every step
+        tokens_per_s, every_step = dp * args.batch * args.seq / median, {b for r in per_rank for b in r["traffic"]}
         theory, other, goal = theory_bytes(args, cp, form), max(per_rank[0]["other"]), GOALS.get(cp)
-        met = "" if goal is None else (" met" if max(ratios) <= goal else " NOT met")
-        rows.append([run.name, dp, ", ".join(f"{v / 2**20:,.2f}" for v in attn) + " MiB",
-                     ", ".join(f"{v:.3f}" for v in ratios), f"<= {goal:.2f}{met}" if goal is not None else "-",
-                     ", ".join(f"{v / 2**20:,.2f}" for v in whole) + " MiB", f"{tokens_per_s:,.0f}",
-                     f"{median * 1e3:,.0f} ms", ints(every_step), f"{theory:,} {'=' if every_step == {theory} else '!='}",
-                     f"{other:,}"])
+        met = None if goal is None else max(ratios) <= goal
+        rows.append([run.name, dp, mib(attn), ", ".join(f"{v:.3f}" for v in ratios),
+                     "-" if goal is None else f"<= {goal:.2f} {'met' if met else 'NOT met'}", mib(whole),
+                     f"{tokens_per_s:,.0f}", f"{median * 1e3:,.0f} ms", ", ".join(f"{v:,}" for v in sorted(every_step)),
+                     f"{theory:,} {'=' if every_step == {theory} else '!='}", f"{other:,}"])
         ring_times.update({cp: median} if form == "ring" else {})
         first_loss[(cp, form)] = per_rank[0]["losses"][0]
         result["runs"].append({"cp": cp, "form": form, "dp": dp, "attention_saved_bytes": attn,
                                "attention_ratio": ratios, "attention_ratio_max": max(ratios), "goal": goal,
-                               "goal_met": None if goal is None else max(ratios) <= goal,
-                               "model_saved_bytes": whole, "median_step_s": median, "tokens_per_s": tokens_per_s,
-                               "cp_bytes_counted": [max(r["traffic"]) for r in per_rank],
+                               "goal_met": met, "model_saved_bytes": whole, "median_step_s": median,
+                               "tokens_per_s": tokens_per_s, "cp_bytes_counted": [max(r["traffic"]) for r in per_rank],
                                "cp_bytes_per_step": [r["traffic"] for r in per_rank], "cp_bytes_theory": theory,
-                               "other_bytes": other, "first_loss": first_loss[(cp, form)],
-                               "losses": per_rank[0]["losses"]})
+                               "other_bytes": other, "first_loss": first_loss[(cp, form)], "losses": per_rank[0]["losses"]})
     print("\n" + harness.table(["layout", "dp", "attention saved per rank (peak)", "/ cp=1", "goal", "whole model saved",
                                 "tokens/s", "median step", "cp bytes/step counted", "theory", "other bytes/step"], rows))
-    for cp in sorted({c for c, f in first_loss if c > 1}):
-        if (cp, "ring") in first_loss and (cp, "ulysses") in first_loss:
-            ring, ulysses = first_loss[(cp, "ring")], first_loss[(cp, "ulysses")]
-            print(f"cp={cp}: first-step loss ring {ring:.6f}, ulysses {ulysses:.6f} (same data and weights): "
-                  f"difference {abs(ring - ulysses):.1e}")
+    for cp in sorted({c for c, f in first_loss if c > 1 and (c, "ring") in first_loss and (c, "ulysses") in first_loss}):
+        ring, ulysses = first_loss[(cp, "ring")], first_loss[(cp, "ulysses")]
+        print(f"cp={cp}: first-step loss ring {ring:.6f}, ulysses {ulysses:.6f} (same data and weights): "
+              f"difference {abs(ring - ulysses):.1e}")
     print()
-    for run, per_rank in zip(runs, reports):
-        if run.form == "torch":
-            median = t.median(run.name)
-            tokens_per_s = world // run.cp * args.batch * args.seq / median
-            ratio = ring_times[run.cp] / median if run.cp in ring_times else None
-            loss0, mine = per_rank[0]["losses"][0], first_loss.get((run.cp, "ring"))
-            print(f"torch context_parallel cp={run.cp}: {tokens_per_s:,.0f} tokens/s, median step {median * 1e3:,.0f} "
-                  "ms; " + (f"minipar ring step / torch step = {ratio:.2f} (goal <= {TIME_GOAL:.2f}: "
-                            f"{'met' if ratio <= TIME_GOAL else 'NOT met'}); " if ratio is not None else "")
-                  + f"first-step loss {loss0:.6f}" + (f" vs minipar ring {mine:.6f}" if mine is not None else ""))
-            result["torch"].append({"cp": run.cp, "ran": True, "median_step_s": median, "tokens_per_s": tokens_per_s,
-                                    "minipar_ring_over_torch": ratio, "first_loss": loss0})
+    for run, per_rank in ((r, p) for r, p in zip(runs, reports) if r.form == "torch"):
+        median = t.median(run.name)
+        tokens_per_s, ratio = world // run.cp * args.batch * args.seq / median, ring_times.get(run.cp)
+        ratio = ratio / median if ratio is not None else None
+        loss0, mine = per_rank[0]["losses"][0], first_loss.get((run.cp, "ring"))
+        print(f"torch context_parallel cp={run.cp}: {tokens_per_s:,.0f} tokens/s, median step {median * 1e3:,.0f} ms; "
+              + (f"minipar ring step / torch step = {ratio:.2f} (goal <= {TIME_GOAL:.2f}: "
+                 f"{'met' if ratio <= TIME_GOAL else 'NOT met'}); " if ratio is not None else "")
+              + f"first-step loss {loss0:.6f}" + (f" vs minipar ring {mine:.6f}" if mine is not None else ""))
+        result["torch"].append({"cp": run.cp, "ran": True, "median_step_s": median, "tokens_per_s": tokens_per_s,
+                                "minipar_ring_over_torch": ratio, "first_loss": loss0})
     for cp, error in sorted(torch_errors.items()):
-        where = f"{'cuda' if torch.cuda.is_available() else 'cpu'}/{dist.get_backend()}"
-        print(f"torch context_parallel cp={cp}: does not run here ({where}): {error}")
+        print(f"torch context_parallel cp={cp}: does not run here ({'cuda' if torch.cuda.is_available() else 'cpu'}/"
+              f"{dist.get_backend()}): {error}")
         result["torch"].append({"cp": cp, "ran": False, "error": error})
     harness.write_json(args.json, result)
 

@@ -2,15 +2,13 @@
 
     torchrun --nproc_per_node=2 benchmarks/ddp_vs_torch.py [--bucket-cap-mb B --json out.json --check]  # --help: all
 
-Both train the same GPT on the same per-rank batches with the same AdamW: ``ShardedModule(strategy=
-"ddp", bucket_cap_mb=B)`` and ``DistributedDataParallel(bucket_cap_mb=B)``, timed by `harness.interleave`.
-Printed: the per-step table, the medians, minipar/torch and the paired ratios; minipar's bytes per step
-(the "grad" all-reduce must equal the parameter bytes); both sides' buckets; the largest parameter
-difference. ``--check``: exit 1 when the ratio exceeds 1.10 or the "grad" bytes differ.
+The same GPT, per-rank batches and AdamW under ``ShardedModule(strategy="ddp", bucket_cap_mb=B)`` and
+``DistributedDataParallel(bucket_cap_mb=B)``. Printed: the per-step table, the medians and ratios; minipar's
+bytes per step (the "grad" all-reduce must equal the parameter bytes); both sides' buckets; the largest
+parameter difference. ``--check``: exit 1 when the ratio exceeds 1.10 or the "grad" bytes differ.
 """
 
 from __future__ import annotations
-
 
 import torch
 import torch.distributed as dist
@@ -66,7 +64,6 @@ def main() -> int:
 
     t = harness.interleave({"minipar": lambda i: step(mp_model, opts["minipar"], i),
                             "torch": lambda i: step(pt_model, opts["torch"], i)}, args.steps, args.warmup)
-    wall = t.wall_s
     losses = torch.tensor([t.results[k][args.warmup:] for k in opts], dtype=torch.float64)
     dist.all_reduce(losses)  # the mean over ranks
     losses /= mesh.world_size
@@ -86,7 +83,7 @@ def main() -> int:
         "loss_first_last": {k: [losses[j, 0].item(), losses[j, -1].item()] for j, k in enumerate(opts)},
         "minipar_comm_per_step": {**comm, "grad_bytes_equal_param_bytes": bytes_ok},
         "buckets": {"minipar": {"num_buckets": len(mp_buckets), "bucket_bytes": mp_buckets}, "torch": torch_buckets},
-        "max_abs_param_diff": diff, "max_abs_param": scale, "wall_s": wall}
+        "max_abs_param_diff": diff, "max_abs_param": scale, "wall_s": t.wall_s}
     if mesh.rank == 0:
         print(f"minipar DDP vs torch DDP: {harness.setting(mesh)}")
         print(f"{harness.shape(args)} batch={args.batch}/rank: {n_params:,} parameters, {param_bytes / 2**20:.2f} "
@@ -106,9 +103,10 @@ def main() -> int:
             f" MiB, from its {torch_buckets['source']})" if torch_buckets.get("num_buckets") is not None
             else f"; torch unknown: {torch_buckets['note']}"))
         print(f"\nsanity: max |param_minipar - param_torch| after {args.warmup + args.steps} steps = {diff:.3e} "
-              f"(largest |param| {scale:.3g})\nwall time of the training loops: {wall:.1f} s")
+              f"(largest |param| {scale:.3g})\nwall time of the training loops: {t.wall_s:.1f} s")
         harness.write_json(args.json, result)
     return harness.finish(args.check and not (c["ok"] and bytes_ok))
+
 
 if __name__ == "__main__":
     harness.run(main)

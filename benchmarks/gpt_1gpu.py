@@ -2,31 +2,27 @@
 
     python benchmarks/gpt_1gpu.py [--model gpt2-medium --modes minipar,torch,compile --profile DIR --json PATH]
 
-Every mode trains the same GPT (fused q/k/v; the same weights and batches) in bf16 for ``--warmup``
-untimed and ``--steps`` timed steps. minipar: ``ShardedModule`` on a world of one, ZeRO-1 with bf16
-parameters and fp32 masters, minipar's Triton kernels, the head and loss in row chunks (``train_step``
-without a loss function), ``train_step`` on host batches. torch: PyTorch's recipe on the same model
-(its ops, ``torch.autocast(bfloat16)``, ``F.cross_entropy``, ``AdamW(fused=True)``). compile: torch
-under ``torch.compile``; minipar_compile: minipar with the wrapped GPT compiled whole.
-
-The timed steps run back to back between one CUDA-event pair (no host sync between them: how far the
-host stays ahead is the point, so this is not `harness.interleave`'s rule). Per mode: step time,
-tokens/s, MFU (as the main job's), peak memory, the first and last loss, and one step's host syncs
-(``minipar.core.syncs``: would wait; ``torch.cuda.set_sync_debug_mode``: did). Goal on an H100: MFU >= 0.50
-for minipar, at least PyTorch eager's tokens/s. ``--profile DIR``: three steps per mode under
-``torch.profiler`` instead (``step_profile.py``), traces in DIR. Without CUDA: says so and runs ``--smoke``
-(a tiny model on the CPU, minipar and torch modes), which checks the script, not speed.
+Every mode trains the same GPT (fused q/k/v, the same weights and batches) in bf16. minipar: ``ShardedModule``
+on a world of one, ZeRO-1 with bf16 parameters and fp32 masters, its Triton kernels, the head and loss in row
+chunks, host batches. torch: PyTorch's recipe (its ops, ``autocast(bfloat16)``, ``F.cross_entropy``,
+``AdamW(fused=True)``); compile: that under ``torch.compile``; minipar_compile: minipar's GPT compiled whole.
+The timed steps run back to back between one CUDA-event pair (no host sync between them: how far the host
+stays ahead is the point, so not `harness.interleave`'s rule). Per mode: step time, tokens/s, MFU (as the
+main job's), peak memory, first and last loss, one step's host syncs (``minipar.core.syncs``: would wait;
+``torch.cuda.set_sync_debug_mode``: did). Goal on an H100: MFU >= 0.50 for minipar, at least eager's
+tokens/s. ``--profile DIR``: three steps per mode under ``torch.profiler`` (``step_profile.py``) instead.
+Without CUDA: says so and runs ``--smoke`` (tiny, CPU, minipar and torch), which checks the script only.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import statistics
 import sys
 import time
 import warnings
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -74,18 +70,6 @@ def config(args) -> GPTConfig:
                      n_embd=p["n_embd"], fused_qkv=True, seed=0)
 
 
-@contextlib.contextmanager
-def kernels_path(torch_ops: bool):
-    """MINIPAR_KERNELS=torch inside (PyTorch's ops on CUDA), as it was outside afterwards."""
-    before = os.environ.get("MINIPAR_KERNELS")
-    os.environ.update({"MINIPAR_KERNELS": "torch"} if torch_ops else {})
-    try:
-        yield
-    finally:
-        os.environ.pop("MINIPAR_KERNELS", None)
-        os.environ.update({} if before is None else {"MINIPAR_KERNELS": before})
-
-
 class Runner:
     """One mode's model, optimizer and step: ``step(x)`` -> loss tensor (never read back here)."""
 
@@ -105,19 +89,18 @@ class Runner:
             self.opt = self.model.build_optimizer(torch.optim.AdamW, lr=lr, weight_decay=0.1)
 
     def step(self, x: torch.Tensor) -> torch.Tensor:
-        with kernels_path(self.torch_ops):
-            if self.torch_ops:
-                x = x.to(self.device, non_blocking=True)
-                with self.autocast:
-                    logits = self.forward(x[:, :-1])
-                loss = F.cross_entropy(logits.flatten(0, 1).float(), x[:, 1:].flatten())
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-            else:
-                loss = self.model.train_step(x[:, :-1], x[:, 1:])  # the GPT's own loss: head + loss in chunks
-                self.model.clip_grad_norm_(1.0)
-            self.opt.step()
-            self.opt.zero_grad()
+        if self.torch_ops:
+            x = x.to(self.device, non_blocking=True)
+            with self.autocast:
+                logits = self.forward(x[:, :-1])
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), x[:, 1:].flatten())
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        else:
+            loss = self.model.train_step(x[:, :-1], x[:, 1:])  # the GPT's own loss: head + loss in chunks
+            self.model.clip_grad_norm_(1.0)
+        self.opt.step()
+        self.opt.zero_grad()
         return loss.detach()
 
     def host_tensors(self) -> list[torch.Tensor]:
@@ -128,25 +111,24 @@ class Runner:
 
 def sync_counts(runner: Runner, x: torch.Tensor) -> dict:
     """One step's host syncs: the calls that would wait (minipar.core.syncs; on CUDA only reads of device
-    tensors) and, on CUDA, the ones torch saw wait (set_sync_debug_mode "warn" turns each into a
-    warning). The step is run twice and the second counted: the counting mode changes what a compiled
-    model's guards see, and the first pass may recompile."""
-    device_only = runner.device.type == "cuda"
-    with count_host_syncs(runner.host_tensors(), device_only=device_only):
+    tensors) and, on CUDA, the ones torch saw wait (set_sync_debug_mode "warn" makes each a warning). The
+    step runs twice and the second is counted: counting changes what a compiled model's guards see, and
+    the first pass may recompile."""
+    cuda = runner.device.type == "cuda"
+    with count_host_syncs(runner.host_tensors(), device_only=cuda):
         runner.step(x)
-    with count_host_syncs(runner.host_tensors(), device_only=device_only) as syncs, \
-            warnings.catch_warnings(record=True) as seen:
+    with count_host_syncs(runner.host_tensors(), device_only=cuda) as syncs, warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        if runner.device.type == "cuda":
+        if cuda:
             torch.cuda.set_sync_debug_mode("warn")
         try:
             runner.step(x)
         finally:
-            if runner.device.type == "cuda":
+            if cuda:
                 torch.cuda.set_sync_debug_mode("default")
-    waited = [str(w.message).splitlines()[0] for w in seen if "synchroniz" in str(w.message).lower()]
+    waited = [w for w in seen if "synchroniz" in str(w.message).lower()]
     return {"would_wait": syncs.total, "would_wait_at": syncs.report() if syncs.total else "",
-            "cuda_waited": len(waited) if runner.device.type == "cuda" else None}
+            "cuda_waited": len(waited) if cuda else None}
 
 
 def flash_attention_runs(cfg: GPTConfig, device: torch.device) -> str:
@@ -168,18 +150,19 @@ def flash_attention_runs(cfg: GPTConfig, device: torch.device) -> str:
 
 def run_mode(mode: str, args, cfg: GPTConfig, mesh, device: torch.device, flops_per_token: float,
              peak: float | None) -> dict:
-    """One mode's row; with ``--profile``, three steps under the profiler (``step_profile``) instead."""
+    """One mode's row; with ``--profile``, three steps under the profiler (``step_profile``) instead. The torch
+    modes run under MINIPAR_KERNELS=torch (PyTorch's ops on CUDA), the environment restored after."""
     torch.manual_seed(0)
-    runner = Runner(mode, cfg, mesh, args.lr, device)
-    steps = 3 if args.profile else args.steps
-    batches = [markov_batch(s, 0, args.batch, args.seq, cfg.vocab_size) for s in range(args.warmup + steps)]
-    if device.type == "cuda":  # every mode copies its batches from pinned memory: nothing waits for them
-        batches = [x.pin_memory() for x in batches]
-    losses = [runner.step(x) for x in batches[:args.warmup]]
-    if args.profile:
-        row = profile_steps(runner.step, batches[args.warmup:], os.path.join(args.profile, f"trace_{mode}.json.gz"))
-    else:
-        if device.type == "cuda":
+    with mock.patch.dict(os.environ, {"MINIPAR_KERNELS": "torch"} if mode in ("torch", "compile") else {}):
+        runner = Runner(mode, cfg, mesh, args.lr, device)
+        steps, cuda = 3 if args.profile else args.steps, device.type == "cuda"
+        batches = [markov_batch(s, 0, args.batch, args.seq, cfg.vocab_size) for s in range(args.warmup + steps)]
+        if cuda:  # every mode copies its batches from pinned memory: nothing waits for them
+            batches = [x.pin_memory() for x in batches]
+        losses = [runner.step(x) for x in batches[:args.warmup]]
+        if args.profile:
+            return profile_steps(runner.step, batches[args.warmup:], os.path.join(args.profile, f"trace_{mode}.json.gz"))
+        if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats(device)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -187,39 +170,29 @@ def run_mode(mode: str, args, cfg: GPTConfig, mesh, device: torch.device, flops_
         t0 = time.perf_counter()
         losses += [runner.step(x) for x in batches[args.warmup:]]
         host_s = time.perf_counter() - t0  # how long the host took to queue the steps
-        if device.type == "cuda":
+        if cuda:
             end.record()
             end.synchronize()
-            seconds, peak_mem = start.elapsed_time(end) / 1e3, torch.cuda.max_memory_allocated(device)
-        else:
-            seconds, peak_mem = host_s, None
-        tokens_per_s = args.batch * args.seq * steps / seconds
-        values = torch.stack(losses).float().tolist()
-        row = {"mode": mode, "step_ms": seconds / steps * 1e3, "host_ms_per_step": host_s / steps * 1e3,
-               "tokens_per_s": tokens_per_s, "mfu": flops_per_token * tokens_per_s / peak if peak else None,
-               "peak_memory_bytes": peak_mem, "first_loss": values[0], "last_loss": values[-1],
-               **sync_counts(runner, batches[-1])}
-    del runner
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return row
+        seconds = start.elapsed_time(end) / 1e3 if cuda else host_s
+        tokens_per_s, values = args.batch * args.seq * steps / seconds, torch.stack(losses).float().tolist()
+        return {"mode": mode, "step_ms": seconds / steps * 1e3, "host_ms_per_step": host_s / steps * 1e3,
+                "tokens_per_s": tokens_per_s, "mfu": flops_per_token * tokens_per_s / peak if peak else None,
+                "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
+                "first_loss": values[0], "last_loss": values[-1], **sync_counts(runner, batches[-1])}
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
-    cuda = torch.cuda.is_available()
+    args, cuda = parse_args(argv), torch.cuda.is_available()
     if not cuda and not args.smoke:
         print("gpt_1gpu: no CUDA device here; running the CPU smoke path (--smoke): tiny model, no timing claims")
         args = parse_args([*argv, "--smoke"])
     mesh = minipar.init()
-    device = mesh.device
-    if device.type == "cuda":
+    device, cfg = mesh.device, config(args)
+    if cuda:
         torch.backends.cuda.matmul.allow_tf32 = True  # what a training run would use
-    cfg = config(args)
     n_params, flops_per_token = model_flops(GPT(cfg), args.seq)
-    peak, peak_note = peak_flops(args, device.type != "cuda")
-    flash = flash_attention_runs(cfg, device)
+    (peak, peak_note), flash = peak_flops(args, not cuda), flash_attention_runs(cfg, device)
     name = torch.cuda.get_device_name() if cuda else "CPU"
     print(f"gpt_1gpu: GPT '{args.model}' {n_params / 1e6:.1f}M parameters, batch {args.batch} x seq {args.seq}, "
           f"bf16, on {name}; torch {torch.__version__}; flash attention: {flash}", flush=True)
@@ -232,24 +205,24 @@ def main(argv=None) -> int:
             runs[mode] = run_mode(mode, args, cfg, mesh, device, flops_per_token, peak)
         except Exception as e:  # noqa: BLE001 -- one mode failing must not hide the others' figures
             runs[mode] = {"mode": mode, "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+        if cuda:
+            torch.cuda.empty_cache()  # the mode's model is gone: the next one starts from an empty cache
         if not args.profile:
             print(f"  {mode}: " + (runs[mode].get("error") or f"{runs[mode]['tokens_per_s']:,.0f} tokens/s"), flush=True)
         result.update({"profiles": runs} if args.profile else {"rows": list(runs.values())})
         harness.write_json(args.json, result)  # after every mode: a run stopped at its limit keeps what it measured
-    if args.profile:
-        print(table(runs))
-    else:
-        rows = list(runs.values())
-        base = next((r for r in rows if r["mode"] == "torch" and "error" not in r), None)
-        print("\n" + harness.table(["mode", "step ms", "host ms/step", "tokens/s", "vs torch", "MFU", "peak memory",
-                                    "loss first -> last", "syncs/step (would wait / CUDA saw)"], [
-            [r["mode"], f"failed: {r['error']}"] + [""] * 7 if "error" in r else [
-                r["mode"], f"{r['step_ms']:.1f}", f"{r['host_ms_per_step']:.1f}", f"{r['tokens_per_s']:,.0f}",
-                f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}" if base else "n/a",
-                f"{r['mfu']:.1%}" if r["mfu"] is not None else peak_note,
-                f"{r['peak_memory_bytes'] / 2**30:.2f} GiB" if r["peak_memory_bytes"] is not None else "n/a",
-                f"{r['first_loss']:.3f} -> {r['last_loss']:.3f}",
-                f"{r['would_wait']} / {r['cuda_waited'] if r['cuda_waited'] is not None else 'n/a'}"] for r in rows]))
+    rows = list(runs.values())
+    base = next((r for r in rows if r.get("mode") == "torch" and "error" not in r), None)
+    print(table(runs) if args.profile else "\n" + harness.table([
+        "mode", "step ms", "host ms/step", "tokens/s", "vs torch", "MFU", "peak memory", "loss first -> last",
+        "syncs/step (would wait / CUDA saw)"], [[r["mode"], f"failed: {r['error']}"] + [""] * 7 if "error" in r else [
+            r["mode"], f"{r['step_ms']:.1f}", f"{r['host_ms_per_step']:.1f}", f"{r['tokens_per_s']:,.0f}",
+            f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}" if base else "n/a",
+            f"{r['mfu']:.1%}" if r["mfu"] is not None else peak_note,
+            f"{r['peak_memory_bytes'] / 2**30:.2f} GiB" if r["peak_memory_bytes"] is not None else "n/a",
+            f"{r['first_loss']:.3f} -> {r['last_loss']:.3f}",
+            f"{r['would_wait']} / {r['cuda_waited'] if r['cuda_waited'] is not None else 'n/a'}"] for r in rows]))
+    if not args.profile:
         for r in rows:
             if r.get("would_wait"):
                 print(f"{r['mode']}: host syncs per step at\n{r['would_wait_at']}")
@@ -257,6 +230,7 @@ def main(argv=None) -> int:
         harness.write_json(args.json, result)
     minipar.shutdown()
     return 1 if any("error" in r for r in runs.values()) else 0
+
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -3,15 +3,14 @@
     torchrun --nproc_per_node=4 benchmarks/gpt_tp_pp.py [--tp 2 --pp 2 --schedule 1f1b --model tiny --dtype fp32
         --check-bubble 15 --out results --cp 2 --context-parallel ring|ulysses --checkpoint-dir DIR --moe [classic|deepseek]]
 
-tp=2 x pp=2 by default, dp the rest of the world; gloo and fp32 on CPU, NCCL and bf16 (ZeRO-1 with fp32
-masters) on GPUs. Presets ``--model`` tiny (~0.8M), small (~30M), medium (GPT-2 small); ``--n-layer
---n-embd --n-head --vocab --seq`` override. Data: the Markov "language" of ``minipar.models.data``, on the
-host. Steps are timed by `harness.interleave` (three warm-up). Printed: median step, tokens/s, each
-stage's busy fraction and the bubble (1 - their mean over the schedule's window) beside the simulator's
-(``--check-bubble PCT``: exit 1 beyond it), communication per step, every rank's memory, the MFU on a
-GPU (tokens/s x (6 N + 12 n_layer seq n_embd) over world x peak bf16 FLOP/s). Reference check: the first
-``--check-steps`` steps replayed in one process (fp32; under bf16 an fp32 run of the layout first, the
-bf16 run then within 1.6e-2 relative); exit 1 beyond ``--tolerance``. OUT/gpt_tp_pp.json, the last step's
+tp=2 x pp=2 by default, dp the rest; gloo and fp32 on CPU, NCCL and bf16 (ZeRO-1, fp32 masters) on GPUs.
+``--model`` tiny (~0.8M), small (~30M), medium (GPT-2 small); the size flags override. Data: the Markov
+"language" of ``minipar.models.data``, on the host. Printed: median step, tokens/s, each stage's busy
+fraction and the bubble (1 - their mean over the schedule's window) beside the simulator's
+(``--check-bubble PCT``: exit 1 beyond it), communication per step, every rank's memory, the MFU on a GPU
+(tokens/s x (6 N + 12 n_layer seq n_embd) over world x peak bf16 FLOP/s). Reference check: the first
+``--check-steps`` steps replayed in one process (fp32; under bf16 an fp32 run of the layout first, the bf16
+run then within 1.6e-2 relative); exit 1 beyond ``--tolerance``. OUT/gpt_tp_pp.json, the last step's
 timeline in OUT/trace.json and OUT/timeline.png. ``--checkpoint-dir``: save every ``--checkpoint-every``
 steps, resume from the newest (survives ``torchrun --max-restarts``, bit for bit).
 """
@@ -58,15 +57,16 @@ def parse_args():
                         help={"batch": "sequences per data-parallel rank per step",
                               "tolerance": "largest fp32 loss difference to the reference"})
     add = ap.add_argument
-    for flag, default in (("--tp", 2), ("--pp", 2), ("--experts", 4), ("--top-k", 2), ("--checkpoint-every", 10)):
-        add(flag, type=int, default=default)
-    add("--dp", type=int, default=None, help="default: world / (tp * cp * pp)")
-    add("--cp", type=int, default=1, help="context-parallel size: the ranks that split each sequence")
+    for flag, default, text in (("--tp", 2, None), ("--pp", 2, None), ("--experts", 4, None), ("--top-k", 2, None),
+                                ("--checkpoint-every", 10, None), ("--dp", None, "default: world / (tp * cp * pp)"),
+                                ("--cp", 1, "context-parallel size: the ranks that split each sequence"),
+                                ("--virtual-stages", None, "model chunks per rank for interleaved_1f1b (default 2)"),
+                                ("--ep", None, "expert-parallel size (splits dp); default: dp with --moe")):
+        add(flag, type=int, default=default, help=text)
     add("--context-parallel", default="ring", choices=("ring", "ulysses"), help="how the cp ranks attend")
     add("--strategy", default=None, choices=("ddp", "zero1", "zero2", "zero3"),
         help="data-parallel strategy (default: ddp in fp32, zero1 in bf16)")
     add("--schedule", default="1f1b", choices=tuple(SCHEDULES))
-    add("--virtual-stages", type=int, default=None, help="model chunks per rank for interleaved_1f1b (default 2)")
     add("--model", default="tiny", choices=sorted(PRESETS), help="shape preset (see above)")
     add("--dtype", default=None, choices=("fp32", "bf16"), help="default: bf16 on CUDA (fp32 with ddp), fp32 on CPU")
     add("--check-bubble", type=float, default=None, metavar="PCT",
@@ -79,11 +79,8 @@ def parse_args():
              "(minipar.models.deepseek_moe_config: fine-grained + shared experts, sigmoid gate, bias balancing, "
              "dropless, group-limited routing; --experts/--top-k/--capacity-factor do not apply); default: none")
     add("--capacity-factor", type=float, default=1.25)
-    add("--ep", type=int, default=None, help="expert-parallel size (splits dp); default: dp with --moe")
     args = ap.parse_args()
-    for k, v in PRESETS[args.model].items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
+    args.__dict__.update({k: v for k, v in PRESETS[args.model].items() if getattr(args, k) is None})
     if args.cp < 1:
         ap.error(f"--cp {args.cp}: the context-parallel size must be 1 or more")
     if args.cp > 1:
@@ -199,19 +196,17 @@ def main() -> int:
     main_rank = mesh.rank == 0
     shape = dict(vocab_size=args.vocab, block_size=args.seq, n_layer=args.n_layer, n_head=args.n_head,
                  n_embd=args.n_embd, seed=0)
+    build, cfg = GPT, GPTConfig(**shape)
+    ref_cfg = cfg
     if args.moe:
-        cfg = deepseek_moe_config(**shape) if args.moe == "deepseek" else \
+        build, cfg = MoEGPT, deepseek_moe_config(**shape) if args.moe == "deepseek" else \
             MoEGPTConfig(**shape, n_experts=args.experts, top_k=args.top_k, capacity_factor=args.capacity_factor)
         # The reference routes each rank's (each micro-batch's, each cp rank's sequence slice's) share of
         # the global batch as its own group; ring cp ranks hold zig-zag chunks, routed in that order.
-        order = None
-        if mesh.cp > 1 and args.context_parallel == "ring":
-            order = tuple(torch.cat([zigzag_positions(args.seq, mesh.cp, r) for r in range(mesh.cp)]).tolist())
-        build, ref_cfg = MoEGPT, MoEGPTConfig(**{**vars(cfg), "route_groups": mesh.dp * (
-            args.microbatches if mesh.pp > 1 else 1), "route_seq_chunks": mesh.cp, "route_seq_order": order})
-    else:
-        build, cfg = GPT, GPTConfig(**shape)
-        ref_cfg = cfg
+        order = tuple(torch.cat([zigzag_positions(args.seq, mesh.cp, r) for r in range(mesh.cp)]).tolist()) \
+            if mesh.cp > 1 and args.context_parallel == "ring" else None
+        ref_cfg = MoEGPTConfig(**{**vars(cfg), "route_groups": mesh.dp * (args.microbatches if mesh.pp > 1 else 1),
+                                  "route_seq_chunks": mesh.cp, "route_seq_order": order})
     n_params, flops_per_token = model_flops(build(cfg), args.seq)
     if main_rank:
         kind = f"MoE GPT ({cfg.n_experts} experts, top-{cfg.top_k}, ep={mesh.ep}" \
@@ -286,8 +281,8 @@ def main() -> int:
             if bf16_rel > BF16_RTOL:
                 failures.append(f"bf16 losses differ from the fp32 reference by {bf16_rel:.2e} relative > {BF16_RTOL}")
 
-    peak = {"peak_cuda_allocated": torch.cuda.max_memory_allocated(mesh.device)} if not cpu else \
-        {"peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # Linux reports KiB
+    peak = {"peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024} if cpu else {  # Linux: KiB
+        "peak_cuda_allocated": torch.cuda.max_memory_allocated(mesh.device)}
     mine = {"rank": mesh.rank, "stage": mesh.pp_rank, "tp": mesh.tp_rank, "dp": mesh.dp_rank, "cp": mesh.cp_rank,
             "steps": timelines[STEADY_FROM:] or timelines[-1:], "memory": {**state, **peak}}
     everyone = mesh.comm.all_gather_object(mine, mesh.world, tag="report")

@@ -2,23 +2,20 @@
 
     python benchmarks/gpu_report.py [--part kernels|train|tests|suite|all] [--out results] [--budget 540]
 
-Each part is a list of steps, every step a subprocess with its own time limit (one that breaks or hangs
-is recorded and the rest still run; one part's limits add up to ten minutes at most):
+Each part is a list of steps, each a subprocess with its own time limit (one that breaks or hangs is
+recorded and the rest still run; a part's limits add up to ten minutes at most):
 
-  kernels  every Triton kernel's tests compiled on the GPU (``MINIPAR_TEST_DEVICE=cuda pytest -m triton``);
-           ``benchmarks/kernels.py``: time, GB/s, fraction of copy bandwidth, against eager and compile.
-  train    ``benchmarks/gpt_1gpu.py``: the GPT (350M) in bf16, minipar beside PyTorch's recipe, and three
-           steps of each under ``torch.profiler`` (``--profile``, traces in OUT/profile); the main job on
-           a world of one in bf16 with its reference check.
-  tests    the strategies checked against one process by the main job's reference check: world 1 over
-           NCCL (fp32 and bf16), and tp=2, pp=2, cp=2 and each strategy as two gloo processes sharing the GPU.
+  kernels  the Triton kernels' tests compiled on the GPU; ``kernels.py``: time, GB/s, against eager and compile.
+  train    ``gpt_1gpu.py``: the GPT (350M) in bf16 beside PyTorch's recipe, and three steps of each under
+           ``torch.profiler`` (traces in OUT/profile); the main job on a world of one in bf16, reference-checked.
+  tests    the main job's reference check per strategy: world 1 over NCCL (fp32 and bf16), and tp=2, pp=2,
+           cp=2 and each strategy as two gloo processes sharing the GPU.
   suite    the strategies' equivalence test modules with their ranks on the GPU, in two halves.
 
-``--part all`` runs every step, most important first, skipping one expected to end past ``--budget``
-seconds (each step has an H100 estimate beside its limit); it writes OUT/gpu_report.json and
-OUT/gpu_report.md (versions, then each step: command, time, pass/fail, figures) and prints the markdown;
-exit 1 when a step failed. Without CUDA it says so and runs the same kinds of step at tiny sizes on the
-CPU (what CI runs): it checks this kit, not a GPU.
+``--part all`` runs every step, most important first, skipping one expected (an H100 estimate) to end past
+``--budget`` seconds; writes OUT/gpu_report.json and OUT/gpu_report.md (versions, then each step: command,
+time, pass/fail, figures), prints the markdown; exit 1 when a step failed. Without CUDA it says so and runs
+the same kinds of step at tiny sizes on the CPU: it checks this kit, not a GPU.
 """
 
 from __future__ import annotations
@@ -64,9 +61,9 @@ class Step:
 def main_job(label: str, part: str, n: int, out: pathlib.Path, name: str, args: tuple, timeout: int, estimate: int,
              **kw) -> Step:
     """The main job (gpt_tp_pp.py) on ``n`` ranks under torchrun, its results in OUT/name."""
-    return Step(label, part, [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
-                              str(BENCH / "gpt_tp_pp.py"), "--out", str(out / name), *args], timeout, estimate,
-                json_out=str(out / name / "gpt_tp_pp.json"), **kw)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
+           str(BENCH / "gpt_tp_pp.py"), "--out", str(out / name), *args]
+    return Step(label, part, cmd, timeout, estimate, json_out=str(out / name / "gpt_tp_pp.json"), **kw)
 
 
 def bench(label: str, part: str, out: pathlib.Path, script: str, json_name: str, args: tuple, timeout: int,
@@ -81,9 +78,8 @@ def pytest(label: str, part: str, out: pathlib.Path, junit_name: str, args: tupl
            env: dict) -> Step:
     """Test modules under pytest, counted from their JUnit report OUT/junit_name."""
     junit = str(out / junit_name)
-    return Step(label, part, [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args,
-                              f"--junitxml={junit}"], timeout, estimate, env={**env, "HYPOTHESIS_PROFILE": "ci"},
-                junit=junit)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args, f"--junitxml={junit}"]
+    return Step(label, part, cmd, timeout, estimate, env={**env, "HYPOTHESIS_PROFILE": "ci"}, junit=junit)
 
 
 def gpu_steps(out: pathlib.Path) -> list[Step]:
@@ -119,8 +115,7 @@ def gpu_steps(out: pathlib.Path) -> list[Step]:
                               (*args, "--steps", "6"), 50, 25, env=share))
     # The suite part in two halves with their own limits, so that one call of ten minutes holds the part
     # and a half that runs out of time still reports the other's results.
-    halves = (STRATEGY_TESTS[:4], STRATEGY_TESTS[4:])
-    for k, files in enumerate(halves, start=1):
+    for k, files in enumerate((STRATEGY_TESTS[:4], STRATEGY_TESTS[4:]), start=1):
         names = ", ".join(pathlib.Path(f).stem[5:] for f in files)
         steps.append(pytest(f"strategy tests with their ranks on the GPU ({k}/2: {names})", "suite", out,
                             f"strategy_tests_{k}.xml", ("--maxfail=20", "--durations=10", *files), 280, 150,
@@ -149,15 +144,14 @@ def cpu_steps(out: pathlib.Path) -> list[Step]:
 
 
 def versions() -> dict:
-    info = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
-            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (no CUDA)",
-            "date": time.strftime("%Y-%m-%d %H:%M %Z")}
     try:
         import triton
-        info["triton"] = triton.__version__
+        version = triton.__version__
     except ImportError as e:
-        info["triton"] = f"not importable: {e}"
-    return info
+        version = f"not importable: {e}"
+    return {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (no CUDA)",
+            "date": time.strftime("%Y-%m-%d %H:%M %Z"), "triton": version}
 
 
 def junit_counts(path: str) -> dict:
@@ -169,8 +163,8 @@ def junit_counts(path: str) -> dict:
         kind = "passed" if verdict is None else "skipped" if verdict.tag == "skipped" else "failed"
         counts[kind] += 1
         if kind == "failed":
-            counts["failures"].append(f"{case.get('classname')}::{case.get('name')}: "
-                                      f"{(verdict.get('message') or '').splitlines()[0][:300] if verdict.get('message') else ''}")
+            message = (verdict.get("message") or "").splitlines()
+            counts["failures"].append(f"{case.get('classname')}::{case.get('name')}: {message[0][:300] if message else ''}")
     return counts
 
 
@@ -199,13 +193,10 @@ def run_step(step: Step) -> dict:
                     continue
         log.seek(0)
         output = log.read() + (f"\n[stopped after its limit of {step.timeout} s]" if rc == "timeout" else "")
-    row = {"name": step.name, "part": step.part, "cmd": " ".join(step.cmd[1:] if step.cmd[0] == sys.executable
-                                                                   else step.cmd),
-           "env": step.env, "seconds": round(time.monotonic() - t0, 1), "rc": rc, "ok": rc == 0,
-           "tail": output[-3000:]}
+    row = {"name": step.name, "part": step.part, "cmd": " ".join(step.cmd[step.cmd[0] == sys.executable:]),
+           "env": step.env, "seconds": round(time.monotonic() - t0, 1), "rc": rc, "ok": rc == 0, "tail": output[-3000:]}
     if step.json_out and os.path.exists(step.json_out):
-        with open(step.json_out) as f:
-            row["figures"] = json.load(f)
+        row["figures"] = json.loads(pathlib.Path(step.json_out).read_text())
     if step.junit:
         row["tests"] = junit_counts(step.junit)
     return row
@@ -213,17 +204,16 @@ def run_step(step: Step) -> dict:
 
 def summary(row: dict) -> str:
     """A step's headline figures, for the markdown table."""
+    fig = row.get("figures") or {}
     if "tests" in row:
         t = row["tests"]
         return t.get("error") or f"{t['passed']} passed, {t['failed']} failed, {t['skipped']} skipped"
-    fig = row.get("figures") or {}
     if "profiles" in fig:  # gpt_1gpu --profile
-        return "; ".join(f"{mode} " + (f"failed ({p['error']})" if "error" in p else
-                         (f"GPU busy {p['gpu_busy']:.0%}, {p['kernels_per_step']:.0f} kernels/step"
-                          if p["gpu_busy"] is not None else f"{p['ops_per_step']:.0f} ops/step (CPU)")
-                         + f", host {p['host_ms_per_step']:.1f} ms/step"
-                         + (f", top: {p['top_kernels'][0]['name'][:40]}" if p["top_kernels"] else ""))
-                         for mode, p in fig["profiles"].items())
+        return "; ".join(f"{mode} " + (f"failed ({p['error']})" if "error" in p else (
+            f"GPU busy {p['gpu_busy']:.0%}, {p['kernels_per_step']:.0f} kernels/step" if p["gpu_busy"] is not None
+            else f"{p['ops_per_step']:.0f} ops/step (CPU)") + f", host {p['host_ms_per_step']:.1f} ms/step"
+            + (f", top: {p['top_kernels'][0]['name'][:40]}" if p["top_kernels"] else ""))
+            for mode, p in fig["profiles"].items())
     if "rows" in fig:  # gpt_1gpu
         return "; ".join(f"{r['mode']} " + (f"failed ({r['error']})" if "error" in r else
                          f"{r['tokens_per_s']:,.0f} tok/s" + (f", MFU {r['mfu']:.1%}" if r.get("mfu") else "")
@@ -232,26 +222,23 @@ def summary(row: dict) -> str:
         met = sum(not k["goal_missed"] for k in fig["kernels"])
         return f"copy {fig['copy_gb_per_s']:,.0f} GB/s; goal met by {met} of {len(fig['kernels'])} kernels"
     if "tokens_per_s" in fig:  # the main job
-        ref = f"reference diff {fig['reference_max_diff']:.1e}"
-        bf16 = f", bf16 rel {fig['bf16_max_rel_diff']:.1e}" if fig.get("bf16_max_rel_diff") is not None else ""
-        mfu = f", MFU {fig['mfu']:.1%}" if fig.get("mfu") else ""
-        return f"{fig['tokens_per_s']:,.0f} tok/s{mfu}; {ref}{bf16}"
-    return "" if row["ok"] else row["tail"].strip().splitlines()[-1][:200] if row["tail"].strip() else ""
+        return (f"{fig['tokens_per_s']:,.0f} tok/s" + (f", MFU {fig['mfu']:.1%}" if fig.get("mfu") else "")
+                + f"; reference diff {fig['reference_max_diff']:.1e}" + (
+                    f", bf16 rel {fig['bf16_max_rel_diff']:.1e}" if fig.get("bf16_max_rel_diff") is not None else ""))
+    tail = row["tail"].strip()
+    return tail.splitlines()[-1][:200] if tail and not row["ok"] else ""
 
 
 def markdown(info: dict, rows: list[dict], skipped: list[str]) -> str:
-    lines = [f"# minipar GPU report, {info['date']}", "",
-             f"{info['device']}; torch {info['torch']} (CUDA {info['cuda']}); triton {info['triton']}; "
-             f"Python {info['python']}", "",
+    lines = [f"# minipar GPU report, {info['date']}", "", f"{info['device']}; torch {info['torch']} (CUDA "
+             f"{info['cuda']}); triton {info['triton']}; Python {info['python']}", "",
              "| part | step | result | seconds | figures |", "|---|---|---|---|---|"]
     for r in rows:
         verdict = "ok" if r["ok"] else ("timed out" if r["rc"] == "timeout" else f"FAILED (exit {r['rc']})")
         lines.append(f"| {r['part']} | {r['name']} | {verdict} | {r['seconds']} | {summary(r)} |")
-    for name in skipped:
-        lines.append(f"| | {name} | skipped: past --budget | | |")
+    lines += [f"| | {name} | skipped: past --budget | | |" for name in skipped]
     for r in rows:
-        failures = (r.get("tests") or {}).get("failures") or []
-        if failures:
+        if failures := (r.get("tests") or {}).get("failures"):
             lines += ["", f"## {r['name']}: failures", ""] + [f"- {f}" for f in failures[:40]]
         elif not r["ok"]:
             lines += ["", f"## {r['name']}: output tail", "", "```", r["tail"][-1500:], "```"]
@@ -265,31 +252,24 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=float, default=540.0,
                     help="seconds: a step expected to end past this is skipped (default 540)")
     args = ap.parse_args(argv)
-    out = pathlib.Path(args.out).resolve()
+    out, info, cuda = pathlib.Path(args.out).resolve(), versions(), torch.cuda.is_available()
     out.mkdir(parents=True, exist_ok=True)
-    info = versions()
-    cuda = torch.cuda.is_available()
-    print(f"gpu_report: {info['device']}; torch {info['torch']} (CUDA {info['cuda']}); triton {info['triton']}", flush=True)
-    if not cuda:
-        print("gpu_report: no CUDA device here: running the smoke path on the CPU (tiny sizes: it checks the kit, "
-              "not a GPU)", flush=True)
-    steps = [s for s in (gpu_steps(out) if cuda else cpu_steps(out)) if args.part in ("all", s.part)]
+    print(f"gpu_report: {info['device']}; torch {info['torch']} (CUDA {info['cuda']}); triton {info['triton']}"
+          + ("" if cuda else "\ngpu_report: no CUDA device here: running the smoke path on the CPU (tiny sizes: it "
+             "checks the kit, not a GPU)"), flush=True)
     start, rows, skipped = time.monotonic(), [], []
-    for step in steps:
+    for step in [s for s in (gpu_steps(out) if cuda else cpu_steps(out)) if args.part in ("all", s.part)]:
         if time.monotonic() - start + step.estimate > args.budget:
             skipped.append(step.name)
-            print(f"-- {step.name}: skipped (expected to take {step.estimate} s: past --budget {args.budget:g} s)",
-                  flush=True)
+            print(f"-- {step.name}: skipped (expected to take {step.estimate} s: past --budget {args.budget:g} s)")
             continue
         print(f"-- {step.name} ...", flush=True)
         rows.append(run_step(step))
         print(f"   {'ok' if rows[-1]['ok'] else 'FAILED'} in {rows[-1]['seconds']} s: {summary(rows[-1])}", flush=True)
     report = {"info": info, "cuda": cuda, "part": args.part, "steps": rows, "skipped": skipped}
     (out / "gpu_report.json").write_text(json.dumps(report, indent=1))
-    md = markdown(info, rows, skipped)
-    (out / "gpu_report.md").write_text(md)
-    print("\n" + md)
-    print(f"gpu_report: wrote {out / 'gpu_report.json'} and {out / 'gpu_report.md'}")
+    (out / "gpu_report.md").write_text(md := markdown(info, rows, skipped))
+    print(f"\n{md}\ngpu_report: wrote {out / 'gpu_report.json'} and {out / 'gpu_report.md'}")
     return 0 if all(r["ok"] for r in rows) else 1
 
 

@@ -2,11 +2,10 @@
 
     torchrun --nproc_per_node=2 benchmarks/onebit_adam.py [--steps 200 --freeze-step 40 --json out.json]
 
-The same weights and Markov data, timed together by `harness.interleave` (1-bit Adam's warm-up is the
-warm-up). Printed: wire bytes per step of AdamW and of 1-bit Adam after its warm-up, their ratio, each
-final loss (mean of the last ``--last`` steps); exit 1 if those differ by more than ``--tolerance``
-(relative). On CPU/gloo, 2 ranks: gap 0.15%, wire ratio 1/31; 4 ranks (``--batch 4``): 3.1% with a
-40-step warm-up, 1.7% with 60 (the paper warms up for 15-25% of training).
+The same weights and Markov data (1-bit Adam's warm-up is the warm-up). Printed: wire bytes per step of
+AdamW and of 1-bit Adam after its warm-up, their ratio, each final loss (mean of the last ``--last``
+steps); exit 1 if those differ by more than ``--tolerance`` (relative). CPU/gloo, 2 ranks: gap 0.15%, wire
+ratio 1/31; 4 ranks (``--batch 4``): 3.1% with a 40-step warm-up, 1.7% with 60 (the paper: 15-25%).
 """
 
 from __future__ import annotations

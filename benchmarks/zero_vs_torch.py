@@ -4,10 +4,10 @@
         --no-bf16-table --json out.json --check]  # --help: every flag
 
 Every implementation (LABELS) trains the same model and batches: ``gpt`` (Markov tokens, AdamW) or
-``linear20`` (the tutorial's 20 x ``nn.Linear(2000, 2000)``, Adam; built in rounds to fit in RAM),
-timed by `harness.interleave`. Printed: 1. step times, minipar/torch ratios (goal <= 1.00, limit 1.25:
-``--check``); 2. memory per rank beside the ZeRO formulas, fp32 and bf16; 3. (linear20) beside the
-tutorial; 4. communication per step and zero3/ddp against the exact expectation; 5. parameter diffs.
+``linear20`` (the tutorial's 20 x ``nn.Linear(2000, 2000)``, Adam; built in rounds to fit in RAM).
+Printed: 1. step times, minipar/torch ratios (goal <= 1.00, limit 1.25: ``--check``); 2. memory per rank
+beside the ZeRO formulas, fp32 and bf16; 3. (linear20) beside the tutorial; 4. communication per step and
+zero3/ddp against the exact expectation; 5. parameter differences.
 """
 
 from __future__ import annotations
@@ -46,6 +46,8 @@ CONTROL_TAGS = ("unused_map", "loss", "overflow", "grad_norm", "config_check", "
 PHASES = ("forward+loss", "backward", "opt.step", "zero_grad")
 STATE = ("params", "grads", "optimizer")
 MIB = 2**20
+DEFAULTS = {"gpt": dict(steps=20, warmup=2, batch=8, lr=1e-3, bf16_table=True),
+            "linear20": dict(steps=5, warmup=1, batch=20, lr=1e-4, bf16_table=False)}
 
 
 def parse_args() -> argparse.Namespace:
@@ -62,9 +64,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--unit-check", type=int, choices=(0, 1), default=1,
                     help="minipar zero3's check that every rank runs the same units (run both to see its cost)")
     args = ap.parse_args()
-    gpt = args.model == "gpt"
-    for name, default in (("steps", 20 if gpt else 5), ("warmup", 2 if gpt else 1), ("batch", 8 if gpt else 20),
-                          ("lr", 1e-3 if gpt else 1e-4), ("bf16_table", gpt)):
+    for name, default in DEFAULTS[args.model].items():
         setattr(args, name, default if getattr(args, name) is None else getattr(args, name))
     if args.steps < 1 or args.warmup < 1:
         ap.error("--steps and --warmup must be >= 1")
@@ -84,9 +84,8 @@ def gpt_workload(args, rank: int, n_steps: int) -> SimpleNamespace:
         markov_batch(step, rank, args.batch, args.seq, args.vocab, seed=args.seed + 17) for step in range(n_steps))]
     return SimpleNamespace(
         build=lambda: GPT(cfg), units=lambda m: list(m.layers), wrap_policy=None, loss_fn=gpt_loss,
-        opt_cls=torch.optim.AdamW, opt_kwargs=dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1), batches=batches,
-        rounds=[list(LABELS)], describe=f"GPT n_layer={args.n_layer} n_embd={args.n_embd} n_head={args.n_head} vocab="
-        f"{args.vocab} seq={args.seq} batch={args.batch}/rank (tied embedding), AdamW lr {args.lr:g}, Markov-chain tokens")
+        opt_cls=torch.optim.AdamW, opt_kwargs=dict(lr=args.lr, **harness.ADAMW), batches=batches, rounds=[list(LABELS)],
+        describe=f"{harness.shape(args)} batch={args.batch}/rank (tied embedding), AdamW lr {args.lr:g}, Markov-chain tokens")
 
 
 def linear20_workload(args, rank: int, n_steps: int) -> SimpleNamespace:
@@ -221,16 +220,16 @@ def zero3_expected(sm: minipar.ShardedModule, wrap_policy) -> dict:
 
 def source_state() -> str:
     """Which minipar was measured: the git commit, and whether minipar/ had uncommitted changes."""
-    git = ["git", "-C", os.path.dirname(os.path.dirname(os.path.abspath(minipar.__file__)))]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(minipar.__file__)))
     try:
-        out = [subprocess.run(git + cmd, capture_output=True, text=True, timeout=10).stdout for cmd in
-               (["rev-parse", "--short", "HEAD"], ["status", "--porcelain", "--", "minipar", "models"])]
+        head, status = (subprocess.run(["git", "-C", root, *cmd], capture_output=True, text=True, timeout=10).stdout
+                        for cmd in (["rev-parse", "--short", "HEAD"], ["status", "--porcelain", "--", "minipar", "models"]))
     except (OSError, subprocess.SubprocessError):
         return "unknown (no git)"
-    dirty = [line[3:] for line in out[1].split("\n") if line.strip()]
-    if not out[0].strip():
-        return f"{os.path.dirname(os.path.abspath(minipar.__file__))} (not a git checkout)"
-    return out[0].strip() + (f" + uncommitted changes in {', '.join(dirty)}" if dirty else " (clean)")
+    dirty = [line[3:] for line in status.split("\n") if line.strip()]
+    if not head.strip():
+        return f"{root}/minipar (not a git checkout)"
+    return head.strip() + (f" + uncommitted changes in {', '.join(dirty)}" if dirty else " (clean)")
 
 
 def main() -> int:
@@ -295,26 +294,21 @@ def main() -> int:
         mixed_mem[strat], mixed_comm[strat] = s.memory, comm_per_step(stats.records, 1)
         del s
     if rank == 0:
-        res["sanity"] = {}
-        for a, b in SANITY:
-            fa, fb = finals.get(a), finals.get(b)
-            if fa is not None and fb is not None:
-                keys = sorted(set(fa) & set(fb))
-                res["sanity"][f"{a} vs {b}"] = {"max_abs_diff": max((fa[k] - fb[k]).abs().max().item() for k in keys),
-                                                "tensors": len(keys), "keys_mismatch": sorted(set(fa) ^ set(fb))}
+        res["sanity"] = {f"{a} vs {b}": {
+            "max_abs_diff": max((fa[k] - fb[k]).abs().max().item() for k in sorted(set(fa) & set(fb))),
+            "tensors": len(set(fa) & set(fb)), "keys_mismatch": sorted(set(fa) ^ set(fb))}
+            for a, b in SANITY if (fa := finals.get(a)) is not None and (fb := finals.get(b)) is not None}
         final = next(iter(finals.values()))
         res["max_abs_param"] = max(v.abs().max().item() for v in final.values())
         res["max_abs_change_from_init"] = max((final[k] - initial[k]).abs().max().item() for k in final if k in initial)
     fp32_mem = {k: s.memory for k, s in done.items()}
-    per_rank: list = [None] * world
-    dist.all_gather_object(per_rank, {"fp32": fp32_mem, "bf16": mixed_mem})
+    per_rank = mesh.comm.all_gather_object({"fp32": fp32_mem, "bf16": mixed_mem}, mesh.world, tag="report")
     res.update(memory_per_rank_raw=per_rank, memory_fp32_raw=fp32_mem, memory_bf16_raw=mixed_mem)
     keys = [(LABELS[k].replace(" fully_shard", ""), k, k.split("_")[1].replace("fsdp2", "zero3")) for k in
             ("mp_ddp", "mp_zero1", "mp_zero2", "mp_zero3", "torch_ddp", "torch_zero1", "torch_fsdp2") if k in fp32_mem]
     res["memory_fp32"] = memory_rows(fp32_mem, phi, world, False, keys)
-    res["memory_bf16"] = memory_rows(mixed_mem, phi, world, True, [(f"minipar {s}", s, s) for s in
-                                                                    ("ddp", "zero1", "zero2", "zero3")]) \
-        if args.bf16_table else []
+    res["memory_bf16"] = memory_rows(mixed_mem, phi, world, True, [(f"minipar {s}", s, s) for s in (
+        "ddp", "zero1", "zero2", "zero3")]) if args.bf16_table else []
     comm = {k[3:]: comm_per_step(s.records, args.warmup) for k, s in done.items() if k.startswith("mp_")}
     res["comm_fp32"], res["comm_bf16"], res["wall_s"] = comm, mixed_comm, wall
     if "ddp" in comm and "zero3" in comm:
