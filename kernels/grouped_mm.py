@@ -106,7 +106,11 @@ _GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _aligned(t: torch.Tensor) -> bool:
-    return t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride() if s != 1)
+    """Its matrices row- or column-major (exactly one of the last two strides 1) and every other stride, and
+    the data pointer, a multiple of 16 bytes (a size-1 dimension's stride counts: torch checks it)."""
+    unit = [s == 1 for s in t.stride()[-2:]]
+    return (t.data_ptr() % 16 == 0 and sum(unit) == 1
+            and all(s * t.element_size() % 16 == 0 for s in t.stride() if s != 1))
 
 
 @functools.lru_cache(maxsize=None)
