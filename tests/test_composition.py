@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 import os
+from functools import partial
 
 import pytest
 import torch
@@ -36,12 +37,14 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from minipar import DataParallelConfig, Mesh, MixedPrecision, PipelineConfig, ShardedModule, TensorParallelConfig
-from minipar.models import GPT, GPTConfig, MoEGPT, MoEGPTConfig, gpt_loss
+from minipar.fp8 import Float8Config, Float8Linear, apply_fp8
+from minipar.models import GPT, GPTConfig, MoEGPT, MoEGPTConfig, deepseek_moe_config, gpt_loss
+from minipar.moe.balance import update_expert_bias
 
 from minipar.context_parallel.ring_attention import zigzag_positions
 from minipar.config import resolve_configs
 
-from helpers import LR, WD, train_rows
+from helpers import LR, WD
 
 EPS = 1e-4  # MoE layouts: see test_moe (tiny expert gradients, AdamW's lr / eps amplification)
 MAX_NORM = 0.05
@@ -54,9 +57,9 @@ OPTIONS = {
     "sp": (False, True),
     "pp": (1, 2),
     "schedule": (None, "1f1b", "gpipe", "interleaved_1f1b", "zb_h1", "zb_v"),
-    "moe": ("dense", "moe", "moe_ep2"),
+    "moe": ("dense", "moe", "moe_ep2", "deepseek"),
     "hsdp": (False, True),
-    "precision": ("fp32", "bf16"),
+    "precision": ("fp32", "bf16", "fp8"),
     "recompute": (False, True),
     "cp": (1, 2, 4),
     "cp_form": (None, "ring", "ulysses"),
@@ -74,7 +77,8 @@ def valid(c: dict) -> bool:
             and (not c["sp"] or c["tp"] > 1)              # sequence parallelism splits over tp
             and (c["moe"] != "moe_ep2" or dp % 2 == 0)    # ep = 2 splits dp
             and (not c["hsdp"] or (dp % 2 == 0 and c["strategy"] != "ddp"))  # DDP shards nothing
-            and (c["precision"] == "fp32" or c["strategy"] != "ddp"))  # DDP computes in the params' dtype
+            # DDP computes in the params' dtype: it takes no MixedPrecision, so neither bf16 nor FP8
+            and (c["precision"] == "fp32" or c["strategy"] != "ddp"))
 
 
 def all_layouts() -> list[dict]:
@@ -103,9 +107,10 @@ def pairwise_sample(layouts: list[dict]) -> list[dict]:
 def _name(c: dict) -> str:
     parts = [f"w{c['world']}", c["strategy"], f"tp{c['tp']}" + ("sp" if c["sp"] else ""), f"pp{c['pp']}"]
     parts += [c["schedule"]] if c["schedule"] else []
-    parts += [c["moe"]] if c["moe"] != "dense" else []
+    parts += [c["moe"] + ("_ep2" if c["moe"] == "deepseek" and _sizes(c)[0]["ep"] == 2 else "")] \
+        if c["moe"] != "dense" else []
     parts += ["hsdp"] if c["hsdp"] else []
-    parts += ["bf16"] if c["precision"] == "bf16" else []
+    parts += [c["precision"]] if c["precision"] != "fp32" else []
     parts += ["recompute"] if c["recompute"] else []
     parts += [f"cp{c['cp']}{c['cp_form']}"] if c["cp"] > 1 else []
     parts += ["llama"] if c["model"] == "llama" else []
@@ -117,7 +122,8 @@ SAMPLE = pairwise_sample(ALL)
 MATRIX = ALL if os.environ.get("HYPOTHESIS_PROFILE") == "long" else SAMPLE
 
 
-def _model_cfg(c: dict, dp: int, m: int) -> tuple[type, dict]:
+def _model_cfg(c: dict, dp: int, m: int) -> tuple[str, dict]:
+    """("gpt" | "moe" | "deepseek", the config's fields)."""
     chunks = 2 if c["schedule"] in ("interleaved_1f1b", "zb_v") else 1  # pieces per rank: a block each
     cfg = dict(vocab_size=16, block_size=8, n_layer=2 * chunks, n_head=2, n_embd=8, tie_weights=True, dropout=0.0,
                seed=11)
@@ -125,16 +131,30 @@ def _model_cfg(c: dict, dp: int, m: int) -> tuple[type, dict]:
         cfg.update(norm="rmsnorm", mlp="swiglu", pos="rope")
     if c["cp"] > 1:  # Ulysses gives each cp rank heads / (tp * cp) of the heads
         cfg.update(n_head=max(2, c["tp"] * c["cp"]), n_embd=16)
+    if c["precision"] == "fp8":  # every FP8 weight's tp shard a multiple of 16 (_scaled_mm's dims)
+        cfg.update(n_embd=32)
     if c["moe"] == "dense":
-        return GPT, cfg
+        return "gpt", cfg
+    if c["moe"].startswith("deepseek"):  # deepseek_moe_config's choices: 16 experts top-4 in 4 groups, at most
+        # 2 groups a token, a shared expert, sigmoid gate, bias balancing, dropless, the first block dense
+        return "deepseek", dict(cfg, expert_hidden=cfg["n_embd"])
     # bf16 may reorder close router logits; with room for every token, no decision depends on it
-    cf = 8.0 if c["precision"] == "bf16" else 1.0
-    return MoEGPT, dict(cfg, n_experts=4, top_k=2, capacity_factor=cf, aux_loss_coef=0.1, z_loss_coef=0.01)
+    cf = 8.0 if c["precision"] != "fp32" else 1.0
+    return "moe", dict(cfg, n_experts=4, top_k=2, capacity_factor=cf, aux_loss_coef=0.1, z_loss_coef=0.01)
+
+
+def _build(kind: str, cfg: dict, **route) -> nn.Module:
+    """The model, with ``route`` (route_groups, ...: a single-process reference of several ranks)."""
+    if kind == "gpt":
+        return GPT(GPTConfig(**cfg))
+    return MoEGPT(deepseek_moe_config(**cfg, **route) if kind == "deepseek" else MoEGPTConfig(**cfg, **route))
 
 
 def _sizes(c: dict) -> tuple[dict, int]:
     dp = c["world"] // (c["tp"] * c["pp"] * c["cp"])
-    sizes = dict(dp=dp, tp=c["tp"], pp=c["pp"], ep=2 if c["moe"] == "moe_ep2" else 1, cp=c["cp"])
+    # DeepSeekMoE over ep = 2 wherever dp allows (one option value: the CI sample stays small)
+    ep = 2 if c["moe"] == "moe_ep2" or (c["moe"] == "deepseek" and dp % 2 == 0) else 1
+    sizes = dict(dp=dp, tp=c["tp"], pp=c["pp"], ep=ep, cp=c["cp"])
     if c["hsdp"]:
         sizes["dp_shard"] = dp // 2
     return sizes, dp
@@ -142,21 +162,35 @@ def _sizes(c: dict) -> tuple[dict, int]:
 
 def _options(c: dict, m: int) -> dict:
     """The layout as ShardedModule's config objects (the other test modules use the flat keywords)."""
-    strategy = DataParallelConfig(c["strategy"], bucket_cap_mb=1e-3,
-                                  mixed_precision=BF16 if c["precision"] == "bf16" else None)
+    strategy = DataParallelConfig(c["strategy"], bucket_cap_mb=1e-3, mixed_precision=_policy(c))
     pipeline = PipelineConfig(schedule=c["schedule"], microbatches=m) if c["pp"] > 1 else None
     return dict(strategy=strategy, tensor_parallel=TensorParallelConfig(sequence_parallel=c["sp"]),
                 pipeline=pipeline, activation_checkpointing=c["recompute"], context_parallel=c["cp_form"])
 
 
+def _policy(c: dict) -> MixedPrecision | None:
+    """fp8: bf16 params with tensorwise FP8 linear layers, gathered in FP8 under ZeRO-3."""
+    if c["precision"] == "fp8":
+        return MixedPrecision(param_dtype=torch.bfloat16, fp8=Float8Config("tensorwise",
+                                                                           all_gather=c["strategy"] == "zero3"))
+    return BF16 if c["precision"] == "bf16" else None
+
+
 def _train(ctx, c, data, m):
     sizes, dp = _sizes(c)
     mesh = Mesh(**sizes)
-    build, cfg = _model_cfg(c, dp, m)
-    config = (MoEGPTConfig if build is MoEGPT else GPTConfig)(**cfg)
-    model = ShardedModule(build(config), mesh=mesh, **_options(c, m))
+    kind, cfg = _model_cfg(c, dp, m)
+    model = ShardedModule(_build(kind, cfg), mesh=mesh, **_options(c, m))
     opt = model.build_optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD, eps=EPS)
-    losses, norms = train_rows(model, opt, data, MAX_NORM)
+    local = data.shape[1] // mesh.dp
+    losses, norms = [], []
+    for s in range(data.shape[0]):  # helpers.train_rows, and the expert bias moved after each step
+        x = data[s, mesh.dp_rank * local:(mesh.dp_rank + 1) * local].to(mesh.device)
+        losses.append(model.train_step(x[:, :-1], x[:, 1:], model.cross_entropy).item())
+        norms.append(model.clip_grad_norm_(MAX_NORM).item())
+        opt.step()
+        opt.zero_grad()
+        model.update_expert_bias()  # (DeepSeekMoE's bias balancing; nothing for other models)
     state = {k: v.float().cpu() for k, v in model.full_state_dict().items()}
     mesh.destroy()
     return losses, norms, state
@@ -164,15 +198,17 @@ def _train(ctx, c, data, m):
 
 def _reference(c: dict, data: torch.Tensor, m: int):
     _, dp = _sizes(c)
-    build, cfg = _model_cfg(c, dp, m)
-    if build is MoEGPT:  # route each rank's (micro-batch's, sequence slice's) tokens as one group
-        seq_chunks = (c["tp"] if c["sp"] else 1) * c["cp"]
-        order = None  # ring cp ranks hold zig-zag chunks: route the sequence in the order they hold it
-        if c["cp_form"] == "ring":
-            order = tuple(torch.cat([zigzag_positions(data.shape[-1] - 1, c["cp"], r) for r in range(c["cp"])]).tolist())
-        model = MoEGPT(MoEGPTConfig(**cfg, route_groups=dp * m, route_seq_chunks=seq_chunks, route_seq_order=order))
-    else:
-        model = GPT(GPTConfig(**cfg))
+    kind, cfg = _model_cfg(c, dp, m)
+    order = None  # ring cp ranks hold zig-zag chunks: route (and quantise) the sequence in the order they hold it
+    if c["cp_form"] == "ring":
+        order = tuple(torch.cat([zigzag_positions(data.shape[-1] - 1, c["cp"], r) for r in range(c["cp"])]).tolist())
+    route = {}
+    if kind != "gpt":  # route each rank's (micro-batch's, sequence slice's) tokens as one group
+        route = dict(route_groups=dp * m, route_seq_chunks=(c["tp"] if c["sp"] else 1) * c["cp"], route_seq_order=order)
+    model = _build(kind, cfg, **route)
+    if c["precision"] == "fp8":
+        apply_fp8(model, Float8Config("tensorwise"))
+        _quantise_per_rank(model, dp * m, c["cp"], order)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, eps=EPS)
     losses, norms = [], []
@@ -185,8 +221,37 @@ def _reference(c: dict, data: torch.Tensor, m: int):
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
         opt.step()
         opt.zero_grad()
+        update_expert_bias(model)
         losses.append(loss.item())
     return losses, norms, model.state_dict(), initial
+
+
+def _quantise_per_rank(model: nn.Module, groups: int, cp: int, order) -> None:
+    """The reference's FP8 layers quantise each rank's tokens apart, as the ranks do: a tensorwise scale is
+    the amax of the tokens one call sees. A layer's input (B, T, C) is cut into ``groups`` batch shares
+    (dp ranks x micro-batches) and, along the sequence as the cp ranks hold it (``order``), ``cp`` slices;
+    each piece goes through the layer alone. An MoE layer's shared expert sees its layer's routing groups
+    (sequence parallelism's slices too: under tp the MoE layers run on each rank's own slice); the other
+    layers' inputs are whole sequences under sequence parallelism (gathered before the column-parallel
+    matmul, and a row-parallel layer's amax agreed over tp)."""
+    for name, lin in model.named_modules():
+        if not isinstance(lin, Float8Linear):
+            continue
+        moe = model.get_submodule(name.rsplit(".", 2)[0]) if ".shared." in name else None
+        if moe is not None:  # the MoE layer has put the sequence in the cp ranks' order already
+            lin.forward = partial(_per_piece, lin, moe.route_groups, moe.route_seq_chunks, None)
+        else:
+            lin.forward = partial(_per_piece, lin, groups, cp, order)
+
+
+def _per_piece(lin: nn.Module, groups: int, chunks: int, order, x: torch.Tensor) -> torch.Tensor:
+    assert x.dim() == 3, f"expected (batch, sequence, features), got {tuple(x.shape)}"
+    if order is not None:
+        x = x.index_select(1, torch.as_tensor(order))
+    rows = [torch.cat([Float8Linear.forward(lin, piece) for piece in share.chunk(chunks, dim=1)], dim=1)
+            for share in x.chunk(groups)]
+    y = torch.cat(rows)
+    return y if order is None else y.index_select(1, torch.as_tensor(order).argsort())
 
 
 @pytest.mark.parametrize("c", MATRIX, ids=[_name(c) for c in MATRIX])
