@@ -32,8 +32,8 @@ Bias is not part of the product: the experts add it per row by a gather of
 their bias rows (``minipar.moe.experts``), whose backward, a segment sum, is
 autograd's; one concept here, and the same bias arithmetic on both paths.
 
-``sum(counts) == M`` is the caller's promise; it is checked on the CPU only
-(a check on a GPU would read the counts back, the host sync the device paths avoid).
+``sum(counts) == M`` is the caller's promise; it is checked on the CPU's PyTorch path only
+(elsewhere a check would read the counts back, the host sync the device paths avoid).
 """
 
 from __future__ import annotations
@@ -51,6 +51,9 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.
     """x (M, K) rows sorted by group, w (G, K, N), counts (G,) int rows per group -> y (M, N), x's dtype;
     differentiable in x and w (see the module doc for the math)."""
     _check(x, w, counts)
+    if not x.is_cuda and not use_triton(x) and int(counts.sum()) != x.shape[0]:  # reads counts: CPU, PyTorch only
+        raise ValueError(f"grouped_mm counts sum to {int(counts.sum())} but x has {x.shape[0]} rows: every row "
+                         "belongs to one group (sort the rows by group and count them)")
     return _GroupedMM.apply(x, w, counts)
 
 
@@ -134,8 +137,12 @@ def _probe(device_type: str, index: int | None, dtype: torch.dtype) -> bool:
 
 @torch.library.custom_op("minipar::grouped_mm", mutates_args=())
 def grouped_mm_op(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """a (M, K), b (G, K, N) any strides, counts (G,) -> (M, N) in a's dtype: the Triton grouped product."""
+    """a (M, K), b (G, K, N) with row-major matrices or their transposes (the backward's w^T), counts (G,) ->
+    (M, N) in a's dtype: the Triton grouped product."""
     a = a.contiguous()
+    transposed = b.stride(1) == 1 and b.stride(2) != 1  # b[g] is the transpose of a row-major (N, K) matrix
+    if not transposed:
+        b = b.contiguous()
     (m, k), (g, _, n) = a.shape, b.shape
     out = a.new_empty(m, n)
     if m == 0 or n == 0 or g == 0:
@@ -154,7 +161,8 @@ def grouped_mm_op(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor) -> tor
     clamped = tile_group.clamp(max=g - 1)
     tile_row = bounds[clamped] + (t - (tile_ends - tiles)[clamped]) * bm
     launch(tk.grouped_mm_kernel, (n_tiles, -(-n // config["BN"])), a, b, out, tile_group.to(torch.int32),
-           tile_row.to(torch.int32), bounds, g, n, k, b.stride(0), b.stride(1), b.stride(2), **config)
+           tile_row.to(torch.int32), bounds, g, n, k, b.stride(0), b.stride(2 if transposed else 1),
+           B_TRANSPOSED=transposed, **config)
     return out
 
 
@@ -197,6 +205,3 @@ def _check(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> None:
                          f"{tuple(counts.shape)} {counts.dtype}")
     if x.dtype != w.dtype or not x.is_floating_point():
         raise ValueError(f"grouped_mm multiplies floating x and w of one dtype, got {x.dtype} and {w.dtype}")
-    if not x.is_cuda and int(counts.sum()) != x.shape[0]:
-        raise ValueError(f"grouped_mm counts sum to {int(counts.sum())} but x has {x.shape[0]} rows: every row "
-                         "belongs to one group (sort the rows by group and count them)")

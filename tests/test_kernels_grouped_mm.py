@@ -128,7 +128,7 @@ def test_bad_arguments_raise():
         grouped_mm(x, w, c.float())
     with pytest.raises(ValueError, match="one dtype"):
         grouped_mm(x, w.double(), c)
-    with pytest.raises(ValueError, match="counts sum to 4 but x has 5 rows"):
+    with pytorch_path(), pytest.raises(ValueError, match="counts sum to 4 but x has 5 rows"):  # read on CPU only
         grouped_mm(x, w, torch.tensor([1, 3]))
 
 
