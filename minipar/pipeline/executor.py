@@ -12,6 +12,10 @@ With several chunks per rank every action names its chunk, and the peer of a
 message is the rank holding the neighbouring virtual stage (a hop between two
 chunks of one rank is handed over in memory). In a schedule with W actions, B
 computes the input's gradient only and W the weights' (`split_backward`).
+
+A posted receive (IRECV_ACT, IRECV_GRAD: DualPipeV's overlapped pairs) is launched where the list
+has it and waited just before the F (B) that needs it, so whatever runs in between computes while
+the message is in flight; the wait is recorded in the timeline as WAIT_ACT / WAIT_GRAD.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import torch.nn as nn
 
 from ..core.mesh import AxisGroup, Mesh
 from .abort import PipelineAborted, read_marker, send_markers
-from .schedule import Action, Schedule, holder, virtual_stage
+from .actions import Action, Schedule, carries, holder, virtual_stage
 from .split_backward import WeightGrad, backward_input
 
 
@@ -91,9 +95,36 @@ def run_schedule(stage: nn.Module, schedule: Schedule, mesh: Mesh, inputs: list[
     weight_grads: dict[tuple, WeightGrad] = {}  # split backward: what each W still has to do
     local: dict[tuple, torch.Tensor] = {}      # (kind, micro-batch, receiving chunk) -> tensor
     pending = []                               # (handle, tensor kept alive until the send completes)
+    posted: dict[tuple, tuple] = {}            # (tag, micro-batch, chunk) -> (handle or None, buffer, source)
     total = torch.zeros((), device=mesh.device)
     live, peak_live = 0, 0
     actions, at = schedule[rank], 0
+
+    def arrived(a: Action, tag: str, key: tuple, handle, buf: torch.Tensor | None, src_rank: int) -> None:
+        """Wait for a receive's message (buf None: handed over in memory), check it is no failure
+        marker, keep it."""
+        if buf is None:
+            buf = local.pop((tag,) + key)
+        else:
+            handle.wait()
+            told = read_marker(buf, readable)  # another stage failed: stop now, not at the timeout
+            if told is not None:
+                raise PipelineAborted(told, f"pipeline stage {rank} (rank {mesh.rank}) at {a}", src_rank)
+        if tag == "pp_act":
+            received[key] = buf.detach().requires_grad_()
+        else:
+            out_grads[key] = buf
+
+    def wait_posted(a: Action, tag: str, key: tuple) -> float:
+        """Wait for the posted receive compute ``a`` needs; recorded as WAIT_ACT / WAIT_GRAD. Returns
+        when the compute itself starts."""
+        t = time.perf_counter()
+        arrived(a, tag, key, *posted.pop((tag,) + key))
+        end = time.perf_counter()
+        if timeline is not None and not gpu_clock:
+            timeline.append((f"WAIT_{tag[3:].upper()}{a.microbatch}" + (f"c{a.chunk}" if a.chunk else ""), t, end))
+        return end
+
     try:
         for at, a in enumerate(actions):
             t0 = time.perf_counter()
@@ -101,21 +132,18 @@ def run_schedule(stage: nn.Module, schedule: Schedule, mesh: Mesh, inputs: list[
                 ev0 = torch.cuda.Event(enable_timing=True)
                 ev0.record()
             key, k = (a.microbatch, a.chunk), piece(a)
-            if a.kind in ("RECV_ACT", "RECV_GRAD"):
-                src, tag = (k - 1, "pp_act") if a.kind == "RECV_ACT" else (k + 1, "pp_grad")
-                src_rank, _ = peer(src)
-                if src_rank == rank:
-                    buf = local.pop((tag,) + key)
+            if a.kind in ("RECV_ACT", "RECV_GRAD", "IRECV_ACT", "IRECV_GRAD"):
+                tag = "pp_" + carries(a.kind).lower()
+                src_rank, _ = peer(k - 1 if tag == "pp_act" else k + 1)
+                if src_rank == rank:  # a hop between this rank's chunks: taken from memory when waited
+                    buf, handle = None, None
                 else:
                     buf = torch.empty(act_shape, dtype=act_dtype, device=mesh.device)
-                    comm.recv(buf, src_rank, groups[tag], tag=tag)
-                    told = read_marker(buf, readable)  # another stage failed: stop now, not at the timeout
-                    if told is not None:
-                        raise PipelineAborted(told, f"pipeline stage {rank} (rank {mesh.rank}) at {a}", src_rank)
-                if a.kind == "RECV_ACT":
-                    received[key] = buf.detach().requires_grad_()
+                    handle = comm.recv(buf, src_rank, groups[tag], async_op=True, tag=tag)
+                if a.kind.startswith("I"):  # waited at the compute that needs it
+                    posted[(tag,) + key] = (handle, buf, src_rank)
                 else:
-                    out_grads[key] = buf
+                    arrived(a, tag, key, handle, buf, src_rank)
             elif a.kind in ("SEND_ACT", "SEND_GRAD"):
                 if a.kind == "SEND_ACT":
                     dst, tag, t = k + 1, "pp_act", outputs[key].detach()
@@ -128,6 +156,8 @@ def run_schedule(stage: nn.Module, schedule: Schedule, mesh: Mesh, inputs: list[
                 else:
                     pending.append((comm.send(t, dst_rank, groups[tag], async_op=True, tag=tag), t))
             elif a.kind == "F":
+                if ("pp_act",) + key in posted:
+                    t0 = wait_posted(a, "pp_act", key)
                 out = stage(inputs[a.microbatch] if k == 0 else received[key], chunk=a.chunk)
                 if k == pieces - 1:
                     out = loss_fn(out, targets[a.microbatch]) / m
@@ -136,6 +166,8 @@ def run_schedule(stage: nn.Module, schedule: Schedule, mesh: Mesh, inputs: list[
                 live += 1
                 peak_live = max(peak_live, live)
             elif a.kind == "B":
+                if ("pp_grad",) + key in posted:
+                    t0 = wait_posted(a, "pp_grad", key)
                 out, grad = outputs.pop(key), out_grads.pop(key, None)
                 if split:
                     weight_grads[key] = backward_input(out, grad, received.get(key))
@@ -157,8 +189,8 @@ def run_schedule(stage: nn.Module, schedule: Schedule, mesh: Mesh, inputs: list[
         kept = [] if not readable else \
             send_markers(actions[at:], route, torch.empty(act_shape, dtype=act_dtype, device=mesh.device),
                          failure, comm.send, skip=e.sender if isinstance(e, PipelineAborted) else None)
-        if abandoned is not None:
-            abandoned.extend(pending + kept)
+        if abandoned is not None:  # (receives posted and never waited: their buffers too)
+            abandoned.extend(pending + kept + [(h, buf) for h, buf, _ in posted.values() if buf is not None])
         raise
     for handle, _ in pending:
         handle.wait()

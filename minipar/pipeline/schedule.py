@@ -4,35 +4,9 @@ A schedule is a pure function of (stages, microbatches[, virtual_stages]); it ca
 drawn and checked without any process (`minipar.pipeline.simulator`). One executor runs any
 such list.
 
-Model pieces. The model is cut into p * v consecutive pieces, the virtual stages 0 .. p*v - 1,
-and each of the p ranks holds v of them, its chunks 0 .. v-1 (`virtual_stage`):
-
-    "interleaved"  chunk c of rank r is virtual stage c*p + r: the model loops over the ranks v times
-    "v"            (v = 2) chunk 0 of rank r is virtual stage r, chunk 1 is 2p-1-r: down the ranks and
-                   back up, so the last rank holds both sides of the turn (p-1 and p) and the first
-                   rank both ends of the model
-
-With one chunk both are the plain pipeline, rank r holds stage r. Activations go from virtual stage
-k to k+1, gradients from k+1 back to k. Every action names a micro-batch and the chunk on this rank
-(chunk 0 by default):
-
-    F i          forward of micro-batch i
-    B i          backward of micro-batch i; in a schedule that has W actions, only the gradient of
-                 the chunk's input (the critical path: the previous stage waits for it), and what
-                 the weight gradient needs (saved activations, the output gradient) is kept for W
-    W i          the gradient of the chunk's weights for micro-batch i, deferred off the critical
-                 path; only in schedules that split the backward (zb_h1, zb_v)
-    SEND_ACT i   send micro-batch i's output activation to the holder of the next virtual stage
-    RECV_ACT i   receive micro-batch i's input activation from the holder of the previous one
-    SEND_GRAD i  send the gradient of micro-batch i's input back to the previous virtual stage
-    RECV_GRAD i  receive the gradient of micro-batch i's output from the next virtual stage
-
-The peer of a send or receive is not in the action: it is the rank that holds the neighbouring
-virtual stage. Where that is the same rank (ZB-V's turn on the last rank, virtual stage p-1 -> p)
-the schedule still has a SEND/RECV pair, so every hop between pieces looks alike; an executor hands
-the tensor over in memory. Sends are asynchronous (they never wait for the receiver); receives block.
-Between two ranks, messages of one kind are received in the order they were sent (`simulate`
-checks this), so an executor may match them by order alone.
+The vocabulary (`Action`, its kinds, `Schedule`, the "interleaved" and "v" placements of the
+model pieces) is `minipar.pipeline.actions`'s; DualPipeV, whose forward and backward run as
+overlapped pairs, is `minipar.pipeline.dualpipe`'s. All are listed in `SCHEDULES`.
 
 GPipe: every forward, then every backward: a rank holds all m micro-batches' activations at once.
 1F1B: rank r runs (p - 1 - r) warm-up forwards, then alternates one forward and one backward, then
@@ -48,86 +22,17 @@ rank is busy from its first action to its last: its only idle time is the ramp a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
-KINDS = ("F", "B", "W", "SEND_ACT", "RECV_ACT", "SEND_GRAD", "RECV_GRAD")
-PLACEMENTS = ("interleaved", "v")
-
-
-@dataclass(frozen=True)
-class Action:
-    kind: str
-    microbatch: int
-    chunk: int = 0  # which of this rank's model chunks; 0 in a one-chunk schedule
-
-    def __str__(self) -> str:
-        return f"{self.kind}{self.microbatch}" + (f"c{self.chunk}" if self.chunk else "")
-
-
-class Schedule(list):
-    """``schedule[rank]`` is that rank's list of actions, in order. A list, plus the layout of the
-    model pieces: ``chunks`` per rank, placed by ``placement`` ("interleaved" or "v")."""
-
-    def __init__(self, per_rank: list[list[Action]], chunks: int = 1, placement: str = "interleaved") -> None:
-        super().__init__(per_rank)
-        self.chunks, self.placement = chunks, placement
-
-
-def virtual_stage(rank: int, chunk: int, stages: int, placement: str = "interleaved") -> int:
-    """The global model piece (0 .. stages * chunks - 1) that ``chunk`` of ``rank`` holds."""
-    if placement not in PLACEMENTS or (placement == "v" and chunk not in (0, 1)):
-        raise ValueError(f"placement={placement!r} chunk={chunk}: choose one of {PLACEMENTS} ('v' has chunks 0, 1)")
-    if placement == "v":
-        return rank if chunk == 0 else 2 * stages - 1 - rank
-    return chunk * stages + rank
-
-
-def holder(vstage: int, stages: int, placement: str = "interleaved") -> tuple[int, int]:
-    """(rank, chunk) holding virtual stage ``vstage``: the inverse of `virtual_stage`."""
-    chunk, rank = divmod(vstage, stages)
-    if placement == "v" and chunk == 1:
-        rank = stages - 1 - rank
-    return rank, chunk
-
-
-@dataclass(frozen=True)
-class _Layout:
-    """Writes the hops around a compute action: a receive before it and a send after it, unless the
-    virtual stage is the first (nothing to receive forward) or the last (the loss is here)."""
-
-    stages: int
-    chunks: int = 1
-    placement: str = "interleaved"
-
-    def _ends(self, rank: int, chunk: int) -> tuple[bool, bool]:
-        k = virtual_stage(rank, chunk, self.stages, self.placement)
-        return k == 0, k == self.stages * self.chunks - 1
-
-    def forward(self, rank: int, i: int, chunk: int = 0) -> list[Action]:
-        first, last = self._ends(rank, chunk)
-        return ([] if first else [Action("RECV_ACT", i, chunk)]) + [Action("F", i, chunk)] + \
-            ([] if last else [Action("SEND_ACT", i, chunk)])
-
-    def backward(self, rank: int, i: int, chunk: int = 0) -> list[Action]:
-        first, last = self._ends(rank, chunk)
-        return ([] if last else [Action("RECV_GRAD", i, chunk)]) + [Action("B", i, chunk)] + \
-            ([] if first else [Action("SEND_GRAD", i, chunk)])
-
-
-def _check(stages: int, microbatches: int, virtual_stages: int, name: str, chunks: int | None = None) -> None:
-    if stages < 1 or microbatches < 1:
-        raise ValueError(f"a schedule needs stages >= 1 and microbatches >= 1, got {stages} and {microbatches}")
-    if chunks is not None and virtual_stages != chunks:
-        other = "; for more chunks per rank use interleaved_1f1b" if chunks == 1 else ""
-        raise ValueError(f"{name} runs {chunks} model chunk(s) per rank: pass virtual_stages={chunks} "
-                         f"(got {virtual_stages}){other}")
+from .actions import KINDS, PLACEMENTS, Action, Layout, Schedule, holder, virtual_stage  # noqa: F401 (re-exported)
+from .actions import check_counts as _check
+from .dualpipe import dualpipe_v
 
 
 def gpipe(stages: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
     """All forwards, then all backwards (in the same order), on every rank."""
     _check(stages, microbatches, virtual_stages, "gpipe", chunks=1)
-    pipe = _Layout(stages)
+    pipe = Layout(stages)
     return Schedule([[a for i in range(microbatches) for a in pipe.forward(r, i)]
                      + [a for i in range(microbatches) for a in pipe.backward(r, i)] for r in range(stages)])
 
@@ -136,7 +41,7 @@ def one_f_one_b(stages: int, microbatches: int, virtual_stages: int = 1) -> Sche
     """Warm-up forwards, then one forward / one backward, then the remaining backwards (rank r holds
     at most p - r micro-batches)."""
     _check(stages, microbatches, virtual_stages, "1f1b", chunks=1)
-    pipe, out = _Layout(stages), []
+    pipe, out = Layout(stages), []
     for r in range(stages):
         warmup = min(stages - 1 - r, microbatches)
         acts: list[Action] = []
@@ -174,7 +79,7 @@ def interleaved_1f1b(stages: int, microbatches: int, virtual_stages: int = 2) ->
         fits = " or ".join(str(x) for x in (m - m % p, m - m % p + p) if x)
         raise ValueError(f"interleaved_1f1b sends micro-batches round the ranks in groups of stages={p}: "
                          f"microbatches={m} must be a multiple of {p}; use {fits}")
-    pipe = _Layout(p, v)
+    pipe = Layout(p, v)
 
     def nth(k: int, backward: bool) -> tuple[int, int]:  # the k-th forward (backward): (micro-batch, chunk)
         group, within = divmod(k, p * v)
@@ -204,7 +109,7 @@ def zb_h1(stages: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
     """
     _check(stages, microbatches, virtual_stages, "zb_h1", chunks=1)
     p, m = stages, microbatches
-    pipe, out = _Layout(p), []
+    pipe, out = Layout(p), []
     for r in range(p):
         warmup, lag = min(p - 1 - r, m), r
 
@@ -244,7 +149,7 @@ def zb_v(stages: int, microbatches: int, virtual_stages: int = 2) -> Schedule:
     p, m = stages, microbatches
     n = max(m, 2 * p)  # the pattern's micro-batch count; those >= m are dropped below
     f0, b0, w0, f1, b1, w1 = ("F", 0), ("B", 0), ("W", 0), ("F", 1), ("B", 1), ("W", 1)
-    pipe, out = _Layout(p, 2, "v"), []
+    pipe, out = Layout(p, 2, "v"), []
     for r in range(p):
         slots = [f0] * (2 * (p - r) - 1) + [f1, f0] * r                   # warm-up: 2p-1 forwards
         slots += [f1, b1, w1] * (p - r)                                    # fill
@@ -263,8 +168,14 @@ def zb_v(stages: int, microbatches: int, virtual_stages: int = 2) -> Schedule:
 
 
 SCHEDULES: dict[str, Callable[..., Schedule]] = {
-    "gpipe": gpipe, "1f1b": one_f_one_b, "interleaved_1f1b": interleaved_1f1b, "zb_h1": zb_h1, "zb_v": zb_v}
-_FIXED_CHUNKS = {"gpipe": 1, "1f1b": 1, "zb_h1": 1, "zb_v": 2}
+    "gpipe": gpipe, "1f1b": one_f_one_b, "interleaved_1f1b": interleaved_1f1b, "zb_h1": zb_h1, "zb_v": zb_v,
+    "dualpipe_v": dualpipe_v}
+_FIXED_CHUNKS = {"gpipe": 1, "1f1b": 1, "zb_h1": 1, "zb_v": 2, "dualpipe_v": 2}
+
+
+def placement_of(name: str) -> str:
+    """Where schedule ``name`` puts a rank's chunks: "v" for zb_v and dualpipe_v, else "interleaved"."""
+    return "v" if name in ("zb_v", "dualpipe_v") else "interleaved"
 
 
 def chunks_per_rank(name: str, virtual_stages: int | None = None) -> int:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-from .schedule import KINDS, Action, holder, virtual_stage
+from .actions import KINDS, RECEIVES, Action, carries, holder, virtual_stage
 
 
 def simulate(schedule: list[list[Action]], costs: dict | None = None) -> dict:
@@ -16,7 +16,9 @@ def simulate(schedule: list[list[Action]], costs: dict | None = None) -> dict:
 
     Each rank runs its list in order. A send is buffered (one FIFO per sending rank, receiving rank and
     kind) and costs nothing; a receive waits for its message, which must be the micro-batch and chunk
-    it names. Checked: every (micro-batch, chunk) runs F once, then B once, then W once if the
+    it names; a posted receive (IRECV_ACT, IRECV_GRAD) takes its place in that FIFO when the rank
+    reaches it, and only the F (B) that needs its message waits for it, so a rank computes on
+    while it is in flight. Checked: every (micro-batch, chunk) runs F once, then B once, then W once if the
     schedule has any W (none otherwise), on every rank; F only after its activation arrived (or on
     the first virtual stage), B only after its output gradient arrived (or on the last); a send only
     after the compute that makes it; no deadlock; no message left unreceived.
@@ -55,6 +57,8 @@ def simulate(schedule: list[list[Action]], costs: dict | None = None) -> dict:
     pos, clock = [0] * ranks, [Fraction(0)] * ranks
     channels: dict[tuple[int, int, str], list[tuple[int, int, Fraction]]] = {}  # FIFO of (mb, to vstage, sent at)
     done = [{k: set() for k in ("F", "B", "W", "RECV_ACT", "RECV_GRAD")} for _ in range(ranks)]
+    posted: list[list[Action]] = [[] for _ in range(ranks)]  # each rank's posted receives not matched yet
+    arrived: list[dict] = [{} for _ in range(ranks)]           # ("ACT" | "GRAD", mb, chunk) -> sent at
     live, peak = [set() for _ in range(ranks)], [0] * ranks
     timeline: list[list[tuple]] = [[] for _ in range(ranks)]
     order = []
@@ -65,19 +69,16 @@ def simulate(schedule: list[list[Action]], costs: dict | None = None) -> dict:
             raise ValueError(f"rank {r}: {a} is not an action of a {chunks}-chunk schedule")
         k, mine = virtual_stage(r, a.chunk, ranks, placement), (a.microbatch, a.chunk)
         has = done[r]
-        if a.kind in ("RECV_ACT", "RECV_GRAD"):
-            src = k - 1 if a.kind == "RECV_ACT" else k + 1
-            if not 0 <= src <= last_vstage:
-                raise ValueError(f"rank {r}: {a} has no peer (virtual stage {k} of 0..{last_vstage})")
-            queue = channels.get((holder(src, ranks, placement)[0], r, a.kind[5:]), [])
-            if not queue:
+        if a.kind in RECEIVES:
+            if a.kind.startswith("I"):  # posted: matched now if its message is there, else later
+                posted[r].append(a)
+                settle(r)
+            elif any(carries(b.kind) == carries(a.kind) and src_rank(r, b) == src_rank(r, a) for b in posted[r]):
+                return False  # an earlier posted receive on this channel takes the next message first
+            elif not match(r, a):
                 return False  # blocked
-            mb, to, sent = queue.pop(0)
-            if (mb, to) != (a.microbatch, k):
-                got = f"micro-batch {mb}" + (f" for virtual stage {to}" if chunks > 1 else "")
-                raise ValueError(f"rank {r} expected {a} but the channel delivers {got}")
-            clock[r] = max(clock[r], sent)
-            has[a.kind].add(mine)
+            else:
+                clock[r] = max(clock[r], arrived[r][(carries(a.kind), a.microbatch, a.chunk)])
         elif a.kind in ("SEND_ACT", "SEND_GRAD"):
             dst = k + 1 if a.kind == "SEND_ACT" else k - 1
             if not 0 <= dst <= last_vstage:
@@ -90,6 +91,11 @@ def simulate(schedule: list[list[Action]], costs: dict | None = None) -> dict:
             needs = {"F": ("RECV_ACT", k > 0), "B": ("F", True), "W": ("B", True)}[a.kind]
             if mine in has[a.kind]:
                 raise ValueError(f"rank {r} runs {a} twice")
+            settle(r)
+            waits = {"F": ("ACT", k > 0), "B": ("GRAD", k < last_vstage)}.get(a.kind)
+            if waits and waits[1] and any(b.kind == "IRECV_" + waits[0] and (b.microbatch, b.chunk) == mine
+                                          for b in posted[r]):
+                return False  # its posted receive's message has not come yet
             if needs[1] and mine not in has[needs[0]]:
                 raise ValueError(f"rank {r} runs {a} before its {'input' if a.kind == 'F' else needs[0]}")
             if a.kind == "B" and k < last_vstage and mine not in has["RECV_GRAD"]:
@@ -100,11 +106,44 @@ def simulate(schedule: list[list[Action]], costs: dict | None = None) -> dict:
                 peak[r] = max(peak[r], len(live[r]))
             elif a.kind == ("W" if split else "B"):
                 live[r].discard(mine)
+            if waits and waits[1]:
+                clock[r] = max(clock[r], arrived[r][(waits[0], a.microbatch, a.chunk)])
             start = clock[r]
             clock[r] += costs[a.kind]
             timeline[r].append((str(a), start, clock[r]))
         order.append((r, a))
         return True
+
+    def src_rank(r: int, a: Action) -> int:
+        k = virtual_stage(r, a.chunk, ranks, placement)
+        src = k - 1 if carries(a.kind) == "ACT" else k + 1
+        if not 0 <= src <= last_vstage:
+            raise ValueError(f"rank {r}: {a} has no peer (virtual stage {k} of 0..{last_vstage})")
+        return holder(src, ranks, placement)[0]
+
+    def match(r: int, a: Action) -> bool:
+        """Take receive ``a``'s message off its channel, if there; check it is the one ``a`` names."""
+        what, k = carries(a.kind), virtual_stage(r, a.chunk, ranks, placement)
+        queue = channels.get((src_rank(r, a), r, what), [])
+        if not queue:
+            return False
+        mb, to, sent = queue.pop(0)
+        if (mb, to) != (a.microbatch, k):
+            got = f"micro-batch {mb}" + (f" for virtual stage {to}" if chunks > 1 else "")
+            raise ValueError(f"rank {r} expected {a} but the channel delivers {got}")
+        arrived[r][(what, a.microbatch, a.chunk)] = sent
+        done[r]["RECV_" + what].add((a.microbatch, a.chunk))
+        return True
+
+    def settle(r: int) -> None:
+        """Match rank r's posted receives whose messages have come, in the order they were posted."""
+        stuck = set()  # channels with an earlier unmatched receive: a later one must not overtake it
+        for a in list(posted[r]):
+            channel = (src_rank(r, a), carries(a.kind))
+            if channel not in stuck and match(r, a):
+                posted[r].remove(a)
+            else:
+                stuck.add(channel)
 
     while any(pos[r] < len(schedule[r]) for r in range(ranks)):
         progressed = False
@@ -115,6 +154,9 @@ def simulate(schedule: list[list[Action]], costs: dict | None = None) -> dict:
         if not progressed:
             waiting = {r: str(schedule[r][pos[r]]) for r in range(ranks) if pos[r] < len(schedule[r])}
             raise ValueError(f"deadlock: every unfinished rank waits on a receive: {waiting}")
+    unmatched = {r: [str(a) for a in posted[r]] for r in range(ranks) if posted[r]}
+    if unmatched:
+        raise ValueError(f"receives posted but never matched: {unmatched}")
     leftovers = {k: v for k, v in channels.items() if v}
     if leftovers:
         raise ValueError(f"messages sent but never received: {leftovers}")

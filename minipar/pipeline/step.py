@@ -36,7 +36,7 @@ from ..moe.layer import moe_layers
 from ..data_parallel.join import scaled
 from ..step import loss_scale, report_loss
 from .executor import run_schedule
-from .schedule import SCHEDULES, Schedule, chunks_per_rank
+from .schedule import SCHEDULES, Schedule, chunks_per_rank, placement_of
 from .spec import StageSpec
 from .stage import sync_tied_grads
 
@@ -46,10 +46,10 @@ from .stage import sync_tied_grads
 class PipelineConfig:
     """How `ShardedModule` runs pp > 1 stages (unused at pp = 1).
 
-    schedule: one of `SCHEDULES`: "gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_v";
+    schedule: one of `SCHEDULES`: "gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_v", "dualpipe_v";
     microbatches: per step (the batch must divide by it); virtual_stages: model chunks per rank
-    for interleaved_1f1b (default 2; zb_v has 2, the others 1); boundaries: where to cut the
-    model into pp * chunks pieces (block counts or cut points; default: balanced by parameters);
+    for interleaved_1f1b (default 2; zb_v and dualpipe_v have 2, the others 1); boundaries: where to
+    cut the model into pp * chunks pieces (block counts or cut points; default: balanced by parameters);
     record_timeline: keep each stage's (action, start, end) of the last step; stage_spec: how to
     cut a model that `minipar.pipeline.spec_for` does not recognise.
     Raises ValueError for an unknown schedule, a micro-batch or chunk count that is not a positive
@@ -81,7 +81,7 @@ class PipelineConfig:
 
     @property
     def placement(self) -> str:
-        return "v" if self.schedule == "zb_v" else "interleaved"
+        return placement_of(self.schedule)
 
     def schedule_for(self, stages: int) -> Schedule:
         """The schedule's per-rank actions for ``stages`` ranks (ValueError when the micro-batch count
