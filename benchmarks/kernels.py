@@ -119,6 +119,7 @@ def cases(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, co
                     lambda t: kernels.unpermute(t, index, n),
                     lambda t: torch.zeros(n, d, device=device, dtype=dtype).index_add_(0, index, t), y,
                     backward=False))
+    out.append(grouped_mm_case(n, d, device, dtype, gen, trio))
     # gradient unscale-and-cast with the inf/nan flag: read fp32, write the low-precision copy
     m = args.shard
     g32 = torch.randn(m, device=device, generator=gen)
@@ -134,6 +135,34 @@ def cases(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, co
                     backward=False))
     out.append(adamw_case(m, device, dtype, gen, cmp))
     return out
+
+
+def grouped_mm_case(n: int, d: int, device: torch.device, dtype: torch.dtype, gen, trio) -> Case:
+    """A dropless MoE's expert product, forward and backward: ``n`` rows sorted over 8 experts of uneven load
+    (one idle), (d, d) each. Compute-bound, so its GB/s goal does not apply: compare the times. Eager is the
+    loop of ``torch.mm`` over the experts (the layer's form before the grouped product); "torch path" is
+    grouped_mm's PyTorch path (``torch._grouped_mm`` where it applies)."""
+    from unittest import mock
+    from minipar.kernels.grouped_mm import grouped_mm
+    s = torch.tensor([], dtype=dtype).element_size()
+    share = torch.tensor([3, 1, 0, 5, 2, 4, 1, 2], dtype=torch.float64)
+    counts = (share / share.sum() * n).floor().long()
+    counts[0] += n - counts.sum()
+    rows = counts.tolist()
+    counts = counts.to(device)
+    x = torch.randn(n, d, device=device, dtype=dtype, generator=gen)
+    w = torch.randn(8, d, d, device=device, dtype=dtype, generator=gen) / d ** 0.5
+
+    def loop(a, b):
+        return torch.cat([r @ b[g] for g, r in enumerate(a.split(rows))])
+
+    def torch_path(a, b):
+        with mock.patch.dict("os.environ", {"MINIPAR_KERNELS": "torch"}):
+            return grouped_mm(a, b, counts)
+    case = trio(f"grouped_mm fwd+bwd ({n} rows, 8 experts of {d}x{d}; compute-bound)",
+                (3 * n * d + 2 * 8 * d * d + 2 * n * d) * s, lambda a, b: grouped_mm(a, b, counts), loop, x, w)
+    case.impls["torch path"] = fwd_bwd(torch_path, x, w)
+    return case
 
 
 def adamw_case(m: int, device: torch.device, dtype: torch.dtype, gen, cmp) -> Case:
