@@ -3,9 +3,8 @@
     python benchmarks/activation_checkpointing.py [--n-layer 8 --n-embd 256 --seq 256 --batch 8 --steps 10]
     torchrun --nproc_per_node=2 benchmarks/activation_checkpointing.py --strategy zero3
 
-The GPT with and without ``activation_checkpointing=True``, timed by `harness.interleave`: what autograd
-keeps (`minipar.recompute.ActivationMemory`) after forward and at its peak, the allocator's peak on CUDA,
-the median step (expect ~1.3x).
+The GPT with and without ``activation_checkpointing=True``: what autograd keeps (`ActivationMemory`)
+after forward and at its peak, the allocator's peak on CUDA, the median step (expect ~1.3x).
 """
 
 from __future__ import annotations
@@ -27,8 +26,7 @@ def main() -> int:
     ap.add_argument("--dropout", type=float, default=0.1)
     args = ap.parse_args()
     mesh = minipar.init()
-    cuda = mesh.device.type == "cuda"
-    cfg = harness.gpt_config(args, dropout=args.dropout)
+    cuda, cfg = mesh.device.type == "cuda", harness.gpt_config(args, dropout=args.dropout)
     gen = torch.Generator().manual_seed(mesh.rank)
     batches = [torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen).to(mesh.device)
                for _ in range(args.steps + 1)]

@@ -2,13 +2,12 @@
 
     torchrun --nproc_per_node=4 benchmarks/compose_vs_torch.py [--microbatches 4 --json PATH --smoke]  # --help: all
 
-Both train a GPT (untied head) with AdamW, every data-parallel rank its rows of the global batch.
-zero3_pp: minipar ``ShardedModule(strategy="zero3", schedule="1f1b")`` on ``init(pp=2)`` against
-``fully_shard`` over "dp" in each ``GPTStage`` driven by ``Schedule1F1B``; hsdp: minipar zero3 on
-``init(dp_shard=2)`` against ``fully_shard`` on a 2-D (replicate, shard) mesh (the same ranks per axis,
-checked). Timed by `harness.interleave`. Printed: medians and minipar / torch (goal <= 1.00), minipar's
-wire bytes in the last warm-up step by op and axis per rank, the first losses: exit 1 if they differ
-by more than ``--tolerance``.
+A GPT (untied head), AdamW, every data-parallel rank its rows of the global batch. zero3_pp: minipar
+zero3 with ``schedule="1f1b"`` on ``init(pp=2)`` against ``fully_shard`` over "dp" in each ``GPTStage``
+under ``Schedule1F1B``; hsdp: minipar zero3 on ``init(dp_shard=2)`` against ``fully_shard`` on a 2-D
+(replicate, shard) mesh (the same ranks per axis, checked). Printed: medians and minipar / torch (goal
+<= 1.00), minipar's wire bytes in the last warm-up step by op and axis per rank, the first losses (exit 1
+if they differ by more than ``--tolerance``).
 """
 
 from __future__ import annotations
@@ -31,7 +30,6 @@ COMPARISONS = ("zero3_pp", "hsdp")
 SMOKE = dict(steps=2, warmup=1, n_layer=2, n_embd=32, n_head=2, seq=16, batch=8, vocab=128)
 
 
-
 def torch_pipeline(cfg, dmesh, m: int, opt_kwargs: dict, device) -> PipelineRunner:
     """FSDP2 over "dp" inside each stage of a 1F1B pipeline."""
     pp_rank, pp = dmesh["pp"].get_local_rank(), dmesh["pp"].size()
@@ -42,18 +40,10 @@ def torch_pipeline(cfg, dmesh, m: int, opt_kwargs: dict, device) -> PipelineRunn
                           pp_rank == pp - 1, opt_kwargs)
 
 
-class TorchHSDPRunner(Runner):
-    """FSDP2 on a 2-D ("replicate", "shard") mesh, i.e. HSDP: this rank's loss."""
-
-    def __init__(self, cfg, dmesh, opt_kwargs: dict, device) -> None:
-        self.module = GPT(cfg).to(device)
-        fsdp2(self.module, list(self.module.layers), dmesh)
-        self.opt = torch.optim.AdamW(self.module.parameters(), **opt_kwargs)
-
-    def loss(self, x, y) -> float:
-        loss = gpt_loss(self.module(x), y)
-        loss.backward()
-        return loss.item()
+def hsdp_gpt(cfg, dmesh, device) -> torch.nn.Module:
+    """FSDP2 on a 2-D ("replicate", "shard") mesh: HSDP."""
+    module = GPT(cfg).to(device)
+    return fsdp2(module, list(module.layers), dmesh)
 
 
 def check_same_ranks(pairs) -> None:
@@ -95,7 +85,7 @@ def main() -> int:
                                                  microbatches=m),
                "zero3_pp/torch": torch_pipeline(cfg, torch_pp, m, opt_kwargs, device),
                "hsdp/minipar": MiniparRunner(cfg, hsdp_mesh, opt_kwargs, strategy="zero3"),
-               "hsdp/torch": TorchHSDPRunner(cfg, torch_hsdp, opt_kwargs, device)}
+               "hsdp/torch": Runner(hsdp_gpt(cfg, torch_hsdp, device), opt_kwargs)}
     if pp_mesh.rank == 0:
         print(f"compose_vs_torch: GPT {sum(p.numel() for p in GPT(cfg).parameters()) / 1e6:.2f}M parameters "
               f"(untied), {world} ranks, {dist.get_backend()}, {torch.get_num_threads()} thread/rank, {args.batch} x "

@@ -59,29 +59,6 @@ def parse_args():
     return args
 
 
-class AttentionMemory:
-    """The saved-tensor meter, on only while an attention module runs its forward. Off in the warm-up
-    step, where a whole-model meter is open instead (nested saved-tensor hooks replace the outer ones)."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.params, self.meter = list(model.parameters()), None
-        for module in attention_modules(model):
-            module.register_forward_pre_hook(self._enter)
-            module.register_forward_hook(self._exit)
-
-    def measure(self) -> ActivationMemory:
-        self.meter = ActivationMemory(self.params)
-        return self.meter
-
-    def _enter(self, module, args) -> None:
-        if self.meter is not None:
-            self.meter.__enter__()
-
-    def _exit(self, module, args, output) -> None:
-        if self.meter is not None:
-            self.meter.__exit__(None, None, None)
-
-
 def theory_bytes(args, cp: int, form: str | None) -> int:
     """Attention bytes one rank sends per step (module docstring), fp32."""
     if cp == 1:
@@ -103,19 +80,28 @@ class MiniparRun:
         self.mesh = minipar.init(cp=cp)  # dp = world / cp
         self.model = ShardedModule(GPT(cfg), mesh=self.mesh, context_parallel=form)
         self.opt = self.model.build_optimizer(torch.optim.AdamW, lr=args.lr)
-        self.attention = AttentionMemory(self.model)
+        # The saved-tensor meter is on only while an attention module runs its forward; off in the warm-up
+        # step, where a whole-model meter is open instead (nested saved-tensor hooks replace the outer ones).
+        self.meter: ActivationMemory | None = None
+        for module in attention_modules(self.model):
+            module.register_forward_pre_hook(lambda *_: self._meter("__enter__"))
+            module.register_forward_hook(lambda *_: self._meter("__exit__", None, None, None))
         self.report = {"attention_peak": 0, "model_peak": 0, "traffic": [], "other": [], "losses": []}
+
+    def _meter(self, method: str, *args) -> None:  # None: a forward hook's result would replace the args
+        if self.meter is not None:
+            getattr(self.meter, method)(*args)
 
     def step(self, step: int) -> None:
         a, timed = self.args, step >= self.args.warmup
         x = markov_batch(step, self.mesh.dp_rank, a.batch, a.seq, a.vocab).to(self.mesh.device)
         whole = None if timed else ActivationMemory(self.model.parameters())  # the warm-up: the whole model
-        attention = self.attention.measure() if timed else None
+        self.meter = attention = ActivationMemory(self.model.parameters()) if timed else None
         with self.mesh.comm.counting() as stats, (whole or contextlib.nullcontext()):
             loss = self.model.train_step(x[:, :-1], x[:, 1:], gpt_loss)
         self.opt.step()
         self.opt.zero_grad()
-        self.attention.meter = None
+        self.meter = None
         r = self.report
         r["losses"].append(loss.item())
         if timed:

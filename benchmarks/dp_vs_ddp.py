@@ -2,13 +2,12 @@
 
     python benchmarks/dp_vs_ddp.py [--workers K --steps N --json out.json]  # --help: every flag
 
-The same GPT on the same global batches (K*B sequences), one thread per worker: ``one`` (one thread,
-the whole batch), ``dp`` (``minipar.data_parallel.single_process.DataParallel``: K replicas in K threads), ``ddp``
-(``ShardedModule(strategy="ddp")`` in K processes of a ``minipar.testing.RankPool``), each timed by
-`harness.interleave`. Printed: medians and ratios; DataParallel's step by phase with the bytes copied
-(here and on K devices); the losses. DataParallel loses to DDP even on one machine: it rebuilds the
-replicas every step, its threads share the GIL, on CPU the replicas' backward runs in one thread, and
-one device sums the gradients after the whole backward.
+The same GPT on the same global batches (K*B sequences), one thread per worker: ``one`` (one thread, the
+whole batch), ``dp`` (`minipar.data_parallel.single_process.DataParallel`: K replicas in K threads), ``ddp``
+(``strategy="ddp"`` in K processes of a `minipar.testing.RankPool`). Printed: medians and ratios;
+DataParallel's step by phase with the bytes copied (here and on K devices); the losses. DataParallel loses
+even on one machine: it rebuilds the replicas every step, its threads share the GIL, on CPU the replicas'
+backward runs in one thread, and one device sums the gradients after the whole backward.
 """
 
 from __future__ import annotations
@@ -115,8 +114,8 @@ def main() -> int:
     finally:
         pool.close()
     load = os.getloadavg()
-    times = {"one": t.timed("one"), "dp": t.timed("dp"), "ddp": ddp["step_s"]}
-    losses = {"one": t.results["one"][args.warmup:], "dp": t.results["dp"][args.warmup:], "ddp": ddp["loss"]}
+    times, losses = {"one": t.timed("one"), "dp": t.timed("dp"), "ddp": ddp["step_s"]}, {
+        "one": t.results["one"][args.warmup:], "dp": t.results["dp"][args.warmup:], "ddp": ddp["loss"]}
     median = {name: statistics.median(v) for name, v in times.items()}
     per_step = {phase: s / args.steps for phase, s in prof.seconds.items()}
     # backward as measured around loss.backward(), less the two phases timed inside it
@@ -131,22 +130,19 @@ def main() -> int:
                      "reduce (backward)": (k - 1) * param_bytes}
     loss_diff = {name: max(abs(a - b) for a, b in zip(losses[name], losses["one"])) for name in ("dp", "ddp")}
     result = {
-        "command": harness.command(), "torch": torch.__version__, "workers": k,
-        "threads_per_worker": torch.get_num_threads(), "cpu_count": os.cpu_count(), "loadavg": list(load),
-        "config": {key: v for key, v in vars(args).items() if key != "json"}, "n_params": n_params,
-        "param_bytes": param_bytes, "step_s": times, "median_step_s": median,
-        "ratio_dp_over_ddp": median["dp"] / median["ddp"],
+        "command": harness.command(), "torch": torch.__version__, "workers": k, "threads_per_worker":
+        torch.get_num_threads(), "cpu_count": os.cpu_count(), "loadavg": list(load), "config": {
+            key: v for key, v in vars(args).items() if key != "json"}, "n_params": n_params, "param_bytes": param_bytes,
+        "step_s": times, "median_step_s": median, "ratio_dp_over_ddp": median["dp"] / median["ddp"],
         "speedup_over_one": {name: median["one"] / median[name] for name in ("dp", "ddp")},
-        "dp_phase_s_per_step": per_step, "dp_bytes_copied_per_step": copied,
-        "dp_bytes_on_k_devices_per_step": devices_bytes,
-        "ddp_all_reduce_bytes_per_step": ddp["all_reduce_bytes_per_step"],
-        "ddp_all_reduce_wire_bytes_per_step": ddp["all_reduce_wire_bytes_per_step"],
+        "dp_phase_s_per_step": per_step, "dp_bytes_copied_per_step": copied, "dp_bytes_on_k_devices_per_step":
+        devices_bytes, **{f"ddp_{key}": ddp[key] for key in ("all_reduce_bytes_per_step",
+                                                              "all_reduce_wire_bytes_per_step")},
         "loss_max_diff_from_one": loss_diff, "wall_s": wall}
     print(f"DataParallel (1 process, {k} threads) vs minipar DDP ({k} processes, gloo) vs one thread, "
           f"torch {torch.__version__}, {torch.get_num_threads()} thread(s) per worker, {os.cpu_count()} CPUs")
-    print(f"GPT n_layer={args.n_layer} n_embd={args.n_embd} n_head={args.n_head} vocab={args.vocab} seq={args.seq}, "
-          f"global batch {k}x{args.batch}: {n_params:,} parameters, {param_bytes / 2**20:.2f} MiB; "
-          f"{args.warmup} warm-up + {args.steps} timed steps each")
+    print(f"{harness.shape(args)}, global batch {k}x{args.batch}: {n_params:,} parameters, {param_bytes / 2**20:.2f} "
+          f"MiB; {args.warmup} warm-up + {args.steps} timed steps each")
     print(f"load average (1/5/15 min, at the end): {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}\n")
     labels = {"one": "one thread, whole batch", "dp": f"DataParallel, {k} threads", "ddp": f"minipar DDP, {k} processes"}
     print(harness.table(["variant", "median step", "speed-up over one thread"], [

@@ -226,15 +226,10 @@ def write_json(path: str | None, result: dict) -> None:
             json.dump(result, f, indent=2, default=str)
 
 
-def agree(status: int) -> int:
-    """The worst exit status of any rank (rank 0 usually decides), on every rank."""
-    return int(slowest_rank([status])[0])
-
-
 def finish(status: int | bool = 0) -> int:
-    """Every rank leaves with the worst status of any (the reduction is also the last barrier), the
-    process groups shut down."""
-    status = agree(int(status))
+    """Every rank leaves with the worst status of any (rank 0 usually decides; the reduction is also the
+    last barrier), the process groups shut down."""
+    status = int(slowest_rank([int(status)])[0])
     minipar.shutdown()
     return status
 

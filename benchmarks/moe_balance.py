@@ -2,16 +2,13 @@
 
     python benchmarks/moe_balance.py [--steps 300 --experts 16 --top-k 4 --tokens 256 --skew 1.0 --rate 1e-2 --aux 0.01]
 
-One `MoELayer` (sigmoid gate, dropless, so a load is every assignment) learns a fixed random
-teacher MLP from tokens drawn around a common direction, its gate started tilted towards the first
-quarter of the experts along that direction: at step 0 a few experts take most of the tokens. Three
-variants train from the same weights on the same batches (AdamW): no balancing, the auxiliary loss
-(``balance="aux"``), and the auxiliary-loss-free bias (``balance="bias"``, `update_expert_bias`
-after each step). The figure is the imbalance max_e load_e / mean_e load_e of each step's batch
-(1.0 is perfect; E / k is every token on the same k experts), reported at the start, its mean over
-the last quarter of the steps, and the final teacher loss. One process: the balancing rule does not
-depend on the layout (the load is summed over the ranks that route tokens; tests/test_moe_deepseek.py
-shows the distributed bias equals the single-process one).
+One `MoELayer` (sigmoid gate, dropless: a load is every assignment) learns a fixed random teacher MLP
+from tokens drawn around a common direction, its gate tilted towards the first quarter of the experts
+along it: at step 0 a few experts take most tokens. From the same weights and batches (AdamW): no
+balancing, the auxiliary loss (``balance="aux"``), the auxiliary-loss-free bias (``balance="bias"``,
+`update_expert_bias` after each step). The figure: each step's imbalance max_e load_e / mean_e load_e
+(1.0 perfect; E / k all on k experts) at the start and over the last quarter, and the final loss. One
+process: the rule does not depend on the layout (tests/test_moe_deepseek.py: distributed = single-process).
 """
 
 from __future__ import annotations
@@ -30,16 +27,13 @@ VARIANTS = {"none": dict(balance="aux", aux_loss_coef=0.0), "aux": dict(balance=
 def parse_args():
     ap = harness.parser(__doc__, steps=300, lr=3e-3, seed=0, json=None,
                         smoke=dict(steps=6), help={"steps": "training steps per variant"})
-    add = ap.add_argument
-    add("--experts", type=int, default=16)
-    add("--top-k", type=int, default=4)
-    add("--d-model", type=int, default=32)
-    add("--hidden", type=int, default=8, help="each expert's hidden width (fine-grained: small)")
-    add("--tokens", type=int, default=256, help="tokens per step")
-    add("--skew", type=float, default=1.0, help="how far the gate starts tilted towards the first E/4 experts")
-    add("--rate", type=float, default=1e-2,
-        help="the bias update rate (balance='bias'; DeepSeek-V3 uses 1e-3 over far more steps)")
-    add("--aux", type=float, default=0.01, help="the auxiliary loss weight (balance='aux')")
+    for flag, default, text in (
+            ("--experts", 16, None), ("--top-k", 4, None), ("--d-model", 32, None),
+            ("--hidden", 8, "each expert's hidden width (fine-grained: small)"), ("--tokens", 256, "tokens per step"),
+            ("--skew", 1.0, "how far the gate starts tilted towards the first E/4 experts"),
+            ("--rate", 1e-2, "the bias update rate (balance='bias'; DeepSeek-V3 uses 1e-3 over far more steps)"),
+            ("--aux", 0.01, "the auxiliary loss weight (balance='aux')")):
+        ap.add_argument(flag, type=type(default), default=default, help=text)
     return ap.parse_args()
 
 

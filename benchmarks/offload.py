@@ -3,9 +3,8 @@
     torchrun --nproc_per_node=2 benchmarks/offload.py [--path DIR --chunk-mb C --bf16 --json out.json]  # --help: all
 
 The same GPT under zero3 and each `minipar.Offload` level (LEVELS: optimizer state in host memory or in
-files under --path, and the parameter shards too), one after the other, timed by `harness.interleave`.
-Columns: median step and its ratio to none; bytes kept on the device, in host memory, on disk; what
-offloading moved in the last step (``offload_traffic()``); on a GPU the peak.
+files under --path, and the parameter shards too). Columns: the median step and its ratio to none; bytes
+on the device, in host memory, on disk; what offloading moved in the last step; on a GPU the peak.
 """
 
 from __future__ import annotations
@@ -24,11 +23,9 @@ LEVELS = [("none", None, None), ("opt=cpu", "cpu", None), ("opt=nvme", "nvme", N
 
 
 def run(args, mesh, name: str, opt_where, params_where) -> dict:
-    off = None
-    if opt_where is not None:
-        nvme = "nvme" in (opt_where, params_where)
-        off = minipar.Offload(optimizer=opt_where, params=params_where, path=args.path if nvme else None,
-                              chunk_mb=args.chunk_mb)
+    nvme = "nvme" in (opt_where, params_where)
+    off = None if opt_where is None else minipar.Offload(optimizer=opt_where, params=params_where,
+                                                         path=args.path if nvme else None, chunk_mb=args.chunk_mb)
     model = minipar.ShardedModule(GPT(harness.gpt_config(args, seed=0)), mesh=mesh, strategy="zero3", offload=off,
                                   mixed_precision=harness.BF16 if args.bf16 else None)
     opt = model.build_optimizer(torch.optim.AdamW, lr=1e-3, weight_decay=0.1)

@@ -3,9 +3,8 @@
     torchrun --nproc_per_node=4 benchmarks/ps_vs_ddp.py [--servers 1 --staleness K --json out.json]  # --help: all
 
 The same GPT and per-rank batch under ``ddp`` (all n ranks compute), ``ps sync`` and ``ps async``
-(``ParameterServer``: S servers, n - S workers), one after the other, timed by `harness.interleave` (the
-workers unaligned: the servers do not reach a barrier). Printed: step time, samples/s, and the busiest
-rank's bytes per step (sent, received, through): a server moves 2 W Phi / S, a DDP rank 4 (n-1)/n Phi.
+(`ParameterServer`: S servers, n - S workers, timed unaligned: the servers reach no barrier). Printed:
+step time, samples/s, the busiest rank's bytes per step: a server moves 2 W Phi / S, a DDP rank 4 (n-1)/n Phi.
 """
 
 from __future__ import annotations
@@ -62,9 +61,8 @@ def run(args, mesh, mode: str | None) -> tuple[list[float], dict]:
     times = [0.0] * args.steps if server else t.timed("step")
     if mode is not None:  # a server's zeros leave the maximum to the computing ranks
         times = harness.slowest_rank(times)
-    if server:  # it received warmup + steps pushes and one "done" per worker, sent warmup + steps replies
-        return times, traffic(stats, sent_rounds=total, received_rounds=total + 1)
-    return times, traffic(stats, args.steps, args.steps)
+    # a server received warmup + steps pushes and one "done" per worker, and sent warmup + steps replies
+    return times, traffic(stats, total, total + 1) if server else traffic(stats, args.steps, args.steps)
 
 
 def main() -> None:
@@ -74,7 +72,7 @@ def main() -> None:
     ap.add_argument("--staleness", type=int, default=1, help="the async run's bound")
     args = ap.parse_args()
     mesh = harness.init()
-    n, S = mesh.world_size, args.servers
+    n, S, mib = mesh.world_size, args.servers, 2**20
     param_bytes = sum(p.numel() * p.element_size() for p in GPT(harness.gpt_config(args, seed=0)).parameters())
     rows = []
     for name, mode in (("ddp", None), ("ps sync", "sync"), (f"ps async k={args.staleness}", "async")):
@@ -89,7 +87,6 @@ def main() -> None:
         dist.barrier()
         gc.collect()
     if mesh.rank == 0:
-        mib = 2**20
         print(f"world {n}: DDP on {n} ranks vs parameter server on {S} server(s) + {n - S} workers; "
               f"GPT {param_bytes / mib:.2f} MiB of parameters (Phi), {args.batch} x {args.seq} tokens per "
               f"computing rank, {args.steps} timed steps")

@@ -31,7 +31,16 @@ def ddp(module: torch.nn.Module, device: torch.device, **kw) -> DistributedDataP
 
 
 class Runner:
-    """``loss(x, y)`` (forward and backward) then the optimizer's step: ``step`` returns the loss."""
+    """``loss(x, y)`` (forward and backward) then the optimizer's step: ``step`` returns the loss. As it
+    stands, PyTorch's wrapped ``module`` (DDP, FSDP2 on any mesh) under ``gpt_loss``: this rank's loss."""
+
+    def __init__(self, module: torch.nn.Module, opt_kwargs: dict) -> None:
+        self.module, self.opt = module, torch.optim.AdamW(module.parameters(), **opt_kwargs)
+
+    def loss(self, x, y) -> float:
+        loss = gpt_loss(self.module(x), y)
+        loss.backward()
+        return loss.item()
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float | None:
         loss = self.loss(x, y)

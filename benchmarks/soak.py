@@ -2,10 +2,10 @@
 
     torchrun --nproc_per_node=4 benchmarks/soak.py [--steps 1000 --every 50 --json PATH --check --smoke]
 
-The main job's model, layout and step (``gpt_tp_pp``), timed by `harness.interleave`. Each rank's RSS
-after every ``--every`` steps, the warm-up (default 10%) and the last (untimed); growth from the warm-up
-to the end, goal < 2%. The batch check (`minipar.checks.check_batch`) timed alone on each rank beside
-the median step, goal < 1%, with its all-gather alone (its floor). ``--check``: exit 1 on a missed goal.
+The main job's model, layout and step (``gpt_tp_pp``). Each rank's RSS every ``--every`` steps, after the
+warm-up (default 10%) and at the end; growth from the warm-up to the end, goal < 2%. The batch check
+(`minipar.checks.check_batch`) timed alone beside the median step, goal < 1%, with its all-gather alone
+(its floor). ``--check``: exit 1 on a missed goal.
 """
 
 from __future__ import annotations
@@ -34,13 +34,11 @@ def parse_args():
                         smoke=dict(steps=20, every=5, check_reps=20),
                         help={"warmup": "steps before the growth is measured; default 10%%",
                               "batch": "sequences per data-parallel rank per step"})
-    ap.add_argument("--every", type=int, default=50, help="steps between RSS samples")
-    ap.add_argument("--tp", type=int, default=2)
-    ap.add_argument("--pp", type=int, default=2)
-    ap.add_argument("--dp", type=int, default=None, help="default: world / (tp * pp)")
+    for flag, default, text in (("--every", 50, "steps between RSS samples"), ("--tp", 2, None), ("--pp", 2, None),
+                                ("--dp", None, "default: world / (tp * pp)"), ("--check-reps", 500, "batch-check calls timed")):
+        ap.add_argument(flag, type=int, default=default, help=text)
     ap.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe"))
     ap.add_argument("--model", default="tiny", choices=sorted(PRESETS), help="the main job's shape preset")
-    ap.add_argument("--check-reps", type=int, default=500, help="batch-check calls timed")
     args = ap.parse_args()
     args.warmup = max(1, args.steps // 10) if args.warmup is None else args.warmup
     if not 0 < args.warmup < args.steps:
@@ -75,8 +73,7 @@ def time_batch_check(mesh, x: torch.Tensor, cfg, reps: int) -> tuple[float, floa
 def main() -> int:
     args = parse_args()
     mesh = harness.init(dp=args.dp, tp=args.tp, pp=args.pp)
-    main_rank = mesh.rank == 0
-    cfg = harness.gpt_config(args, seed=0)
+    main_rank, cfg = mesh.rank == 0, harness.gpt_config(args, seed=0)
     model, opt = build_model(GPT, cfg, mesh, args, "fp32")
     if main_rank:
         schedule = f"{args.schedule} with {args.microbatches} micro-batches" if mesh.pp > 1 else "no pipeline"
@@ -100,8 +97,7 @@ def main() -> int:
     sample(0)
     start = time.perf_counter()
     t = harness.interleave({"soak": step}, args.steps - args.warmup, args.warmup, after=lambda i: sample(i + 1))
-    wall, loss = time.perf_counter() - start, t.results["soak"][-1]
-    warm, last = samples[args.warmup], samples[args.steps]
+    wall, loss, warm, last = time.perf_counter() - start, t.results["soak"][-1], samples[args.warmup], samples[args.steps]
     growth = [(b - a) / a for a, b in zip(warm, last)]
     x = markov_batch(args.steps - 1, mesh.dp_rank, args.batch, args.seq, args.vocab).to(mesh.device)
     check_s, gather_s = time_batch_check(mesh, x, cfg, args.check_reps)

@@ -2,16 +2,13 @@
 
     python benchmarks/step_ops.py [--n-layer 24] [--own-loss] [--fused-qkv]
 
-On a GPU every operator below autograd is a kernel launch the host must issue. This runs
-``gpt_1gpu.py``'s single-GPU setting (ZeRO-1, bf16 parameters, fp32 masters) at a tiny width on the CPU
-and counts one step's operators (`minipar.core.syncs.count_launches`: views excluded, each minipar kernel one
-custom operator); under ``TRITON_INTERPRET=1`` the kernels take their GPU path. Prints the total, the
-parameter count and the most issued (the count depends on the depth and options, not the width).
+On a GPU every operator below autograd is a kernel launch. This counts one step's operators
+(`minipar.core.syncs.count_launches`: views excluded, a minipar kernel one custom operator) of
+``gpt_1gpu.py``'s setting (ZeRO-1, bf16 parameters, fp32 masters) at a tiny width on the CPU (under
+``TRITON_INTERPRET=1`` the kernels take their GPU path): the total, the parameters, the most issued.
 """
 
 from __future__ import annotations
-
-import argparse
 
 import torch
 
@@ -23,8 +20,7 @@ from minipar.core.syncs import count_launches
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--n-layer", type=int, default=24)
+    ap = harness.parser(__doc__, n_layer=24)
     ap.add_argument("--own-loss", action="store_true", help="train_step without a loss_fn: the chunked head loss")
     ap.add_argument("--fused-qkv", action="store_true")
     args = ap.parse_args()
@@ -36,10 +32,7 @@ def main() -> None:
     x = torch.randint(0, cfg.vocab_size, (2, cfg.block_size + 1), generator=torch.Generator().manual_seed(0))
 
     def step():
-        if args.own_loss:
-            model.train_step(x[:, :-1], x[:, 1:])
-        else:
-            model.train_step(x[:, :-1], x[:, 1:], gpt_loss)
+        model.train_step(x[:, :-1], x[:, 1:], *(() if args.own_loss else (gpt_loss,)))
         model.clip_grad_norm_(1.0)
         opt.step()
         opt.zero_grad()

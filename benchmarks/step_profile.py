@@ -2,12 +2,11 @@
 
     summary = profile_steps(step, batches, "results/profile_minipar.json.gz")
 
-``step(x)`` runs one training step on batch ``x``; each of ``batches`` is one profiled step (warm up
-first). The trace is written for Perfetto (gzipped for ``.gz``) and summarised: ``gpu_busy`` (the share
-of the steps' window in which some kernel ran: the union of the kernels' intervals), ``kernels_per_step``,
-``host_ms_per_step`` (the steps' annotated ranges) and ``top_kernels`` (name, ms and launches per step).
-On a CPU there are no kernel events: ``gpu_busy`` is None and the ATen operators stand in for kernels
-(``ops_per_step``), which checks the plumbing only.
+``step(x)`` runs one training step on batch ``x``, each of ``batches`` one profiled step (warm up first).
+The trace is written for Perfetto (gzipped for ``.gz``) and summarised: ``gpu_busy`` (the share of the
+steps' window some kernel ran: the union of the kernels' intervals), ``kernels_per_step``,
+``host_ms_per_step`` (the steps' annotated ranges), ``top_kernels`` (name, ms and launches per step).
+On a CPU, without kernel events, ``gpu_busy`` is None and the ATen operators stand in (``ops_per_step``).
 """
 
 from __future__ import annotations
@@ -60,12 +59,11 @@ def summarise(events: list[dict], n_steps: int, top: int = 12) -> dict:
     for e in rows:
         per_name[e["name"]][0] += e["dur"]
         per_name[e["name"]][1] += 1
-    ranked = sorted(per_name.items(), key=lambda kv: -kv[1][0])[:top]
+    ranked, n = sorted(per_name.items(), key=lambda kv: -kv[1][0])[:top], max(1, n_steps)
     return {"steps": n_steps, "gpu_busy": busy, "host_ms_per_step": host_ms,
-            "kernels_per_step": len(kernels) / max(1, n_steps) if kernels else None,
-            "ops_per_step": None if kernels else len(rows) / max(1, n_steps),
-            "top_kernels": [{"name": name[:120], "ms_per_step": total / 1e3 / max(1, n_steps),
-                             "launches_per_step": count / max(1, n_steps)} for name, (total, count) in ranked]}
+            "kernels_per_step": len(kernels) / n if kernels else None, "ops_per_step": None if kernels else len(rows) / n,
+            "top_kernels": [{"name": name[:120], "ms_per_step": total / 1e3 / n, "launches_per_step": count / n}
+                            for name, (total, count) in ranked]}
 
 
 def _union(intervals: list[tuple[float, float]]) -> float:
@@ -91,9 +89,7 @@ def table(profiles: dict[str, dict]) -> str:
         busy = f"{p['gpu_busy']:.1%}" if p["gpu_busy"] is not None else "n/a (CPU)"
         launches = f"{p['kernels_per_step']:.0f}" if p["kernels_per_step"] is not None else f"{p['ops_per_step']:.0f} ops"
         lines.append(f"| {mode} | {busy} | {launches} | {p['host_ms_per_step']:.1f} |")
-    for mode, p in profiles.items():
-        if "error" in p:
-            continue
+    for mode, p in ((m, p) for m, p in profiles.items() if "error" not in p):
         lines += ["", f"{mode}: top kernels (ms per step, launches per step)"]
         lines += [f"  {k['ms_per_step']:8.3f} ms {k['launches_per_step']:6.1f}x  {k['name']}" for k in p["top_kernels"]]
     return "\n".join(lines)

@@ -2,10 +2,9 @@
 
     torchrun --nproc_per_node=2 benchmarks/train_gpt_ddp.py [--steps 60 --check-steps 5 ...]
 
-Data: the synthetic Markov "language" (four likely successors per token: the loss falls from ln(vocab)
-towards ln 4), each rank its own sequences. The first ``--check-steps`` steps are replayed on rank 0 in
-one process on the global batch (the main job's `reference_losses`); exit 1 if a loss differs by more
-than ``--tolerance``. On GPUs NCCL, with TF32 off for the check.
+Data: the Markov "language" (four likely successors per token: the loss falls from ln(vocab) towards
+ln 4), each rank its own sequences. The first ``--check-steps`` steps are replayed in one process on the
+global batch (the main job's `reference_losses`); exit 1 beyond ``--tolerance``. TF32 off for the check.
 """
 
 from __future__ import annotations
@@ -28,8 +27,7 @@ def main() -> int:
     ap.add_argument("--bucket-cap-mb", type=float, default=25.0)
     args = ap.parse_args()
     mesh = harness.init(exact=True)  # the reference check
-    is_main = mesh.rank == 0
-    cfg = harness.gpt_config(args, seed=0)
+    is_main, cfg = mesh.rank == 0, harness.gpt_config(args, seed=0)
     model = ShardedModule(GPT(cfg), mesh=mesh, strategy="ddp", bucket_cap_mb=args.bucket_cap_mb)
     opt = model.build_optimizer(torch.optim.AdamW, lr=args.lr, weight_decay=0.1)
     n_params, param_bytes = (sum(f(p) for p in model.parameters()) for f in (torch.numel, lambda p: p.nbytes))
