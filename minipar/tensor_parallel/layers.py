@@ -21,6 +21,12 @@ sequence (``reduce_scatter_sequence``) instead of all-reducing it. Parameters
 that then see only a sequence shard (the row-parallel bias; norms outside
 these layers) are marked ``sequence_parallel``: their gradients are partial
 sums and are all-reduced over tp as they arrive (`mark_sequence_parallel`).
+
+With ``async_comm`` (sequence parallelism only) a layer that gathers its own input and the
+row-parallel layer overlap that all-gather / reduce-scatter with their matmul, chunk by chunk
+around a ring (`minipar.tensor_parallel.collective_matmul`); the results are the same. An input
+entered once for several layers (q, k, v under "enter_region", or siblings sharing an entry) keeps
+the one synchronous gather: overlapping it would need one ring per layer, three times the bytes.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from ..core.mesh import Mesh
 from ..core.placement import place, placement_of
 from ..core.regions import copy_to_region, gather_from_region, gather_sequence, reduce_from_region, \
     reduce_scatter_sequence, scatter_to_region
+from .collective_matmul import all_gather_matmul, matmul_reduce_scatter
 
 SEQ_DIM = 1  # activations are (batch, seq, features)
 
@@ -63,6 +70,15 @@ def _shard(full: torch.Tensor, group: AxisGroup, dim: int, what: str) -> nn.Para
     return place(p, tp_dim=dim)
 
 
+def check_async_comm(async_comm: bool, sequence_parallel: bool, what: str) -> None:
+    """Collective matmul overlaps the sequence all-gather / reduce-scatter: without sequence
+    parallelism there is none (the input is replicated, the output all-reduced)."""
+    if async_comm and not sequence_parallel:
+        raise ValueError(f"{what}: async_comm=True overlaps the sequence-parallel all-gather and reduce-scatter "
+                         "with the matmul, so it needs sequence_parallel=True; pass sequence_parallel=True or "
+                         "async_comm=False")
+
+
 def enter_region(x: torch.Tensor, comm, group: AxisGroup, sequence_parallel: bool) -> torch.Tensor:
     """Make a replicated (or, with sequence parallelism, sequence-split) input whole for column-parallel work.
 
@@ -78,13 +94,16 @@ def enter_region(x: torch.Tensor, comm, group: AxisGroup, sequence_parallel: boo
 class ColumnParallelLinear(nn.Module):
     """``nn.Linear`` with output features split. x: (..., in) replicated -> (..., out / tp), or (..., out)
     with ``gather_output``. With ``sequence_parallel`` x is (batch, seq / tp, in). With
-    ``input_in_region`` the input has already entered the region (`enter_region`) and is used as is."""
+    ``input_in_region`` the input has already entered the region (`enter_region`) and is used as is.
+    ``async_comm`` (with ``sequence_parallel``): the input's all-gather overlaps the matmul (`all_gather_matmul`)."""
 
     def __init__(self, linear: nn.Linear, mesh: Mesh, gather_output: bool = False,
-                 sequence_parallel: bool = False, input_in_region: bool = False) -> None:
+                 sequence_parallel: bool = False, input_in_region: bool = False, async_comm: bool = False) -> None:
         super().__init__()
+        check_async_comm(async_comm, sequence_parallel, "ColumnParallelLinear")
         self.comm, self.group = mesh.comm, mesh.group("tp")
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
+        self.async_comm = async_comm
         self.input_in_region = input_in_region
         self.region: list[nn.Module] = []  # set by parallelize: the module whose input entered the region
         # set by parallelize for column-parallel siblings (q, k, v): {id(x): (x, x entered)}, filled
@@ -95,6 +114,9 @@ class ColumnParallelLinear(nn.Module):
         self.bias = None if linear.bias is None else _shard(linear.bias, self.group, 0, "bias")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.async_comm and not self.input_in_region and self.shared_entry is None and self.group.size > 1:
+            y = all_gather_matmul(x, self.weight, self.bias, self.comm, self.group)
+            return gather_from_region(y, self.comm, self.group, dim=-1, tag="tp") if self.gather_output else y
         if not self.input_in_region:
             x = self._enter(x)
         elif self.region and not getattr(self.region[0], "_minipar_in_region", False):
@@ -120,13 +142,16 @@ class ColumnParallelLinear(nn.Module):
 
 class RowParallelLinear(nn.Module):
     """``nn.Linear`` with input features split. x: (..., in / tp) if ``input_is_parallel`` else (..., in)
-    -> (..., out) replicated, or (batch, seq / tp, out) with ``sequence_parallel``."""
+    -> (..., out) replicated, or (batch, seq / tp, out) with ``sequence_parallel``. ``async_comm`` (with
+    ``sequence_parallel``): the output's reduce-scatter overlaps the matmul (`matmul_reduce_scatter`)."""
 
     def __init__(self, linear: nn.Linear, mesh: Mesh, input_is_parallel: bool = True,
-                 sequence_parallel: bool = False) -> None:
+                 sequence_parallel: bool = False, async_comm: bool = False) -> None:
         super().__init__()
+        check_async_comm(async_comm, sequence_parallel, "RowParallelLinear")
         self.comm, self.group = mesh.comm, mesh.group("tp")
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
+        self.async_comm = async_comm
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = _shard(linear.weight, self.group, 1, "RowParallelLinear in_features")
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
@@ -136,6 +161,9 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_region(x, self.comm, self.group, dim=-1, tag="tp")
+        if self.async_comm and self.group.size > 1:
+            y = matmul_reduce_scatter(x, self.weight, self.comm, self.group)
+            return y if self.bias is None else y + self.bias
         partial = F.linear(x, self.weight)
         if self.sequence_parallel:
             y = reduce_scatter_sequence(partial, self.comm, self.group, dim=SEQ_DIM, tag="tp")

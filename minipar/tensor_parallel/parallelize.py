@@ -28,7 +28,9 @@ tied when both sides are sharded the same way (vocab rows = column rows).
 Dropout masks follow `TPRandom` (see ``minipar.tensor_parallel.rng``).
 With ``sequence_parallel=True`` the linear and embedding layers switch to their
 sequence-parallel forms, and every parameter of a normalisation layer
-(LayerNorm, RMSNorm) is marked so its gradient is summed over tp.
+(LayerNorm, RMSNorm) is marked so its gradient is summed over tp. ``async_comm=True``
+(sequence parallelism only) makes the linear layers overlap their sequence all-gather /
+reduce-scatter with the matmul (`minipar.tensor_parallel.collective_matmul`).
 """
 
 from __future__ import annotations
@@ -42,8 +44,8 @@ import torch.nn as nn
 from ..core.mesh import Mesh
 from ..core.regions import scatter_to_region
 from .rng import TPRandom
-from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, enter_region, \
-    mark_sequence_parallel
+from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, check_async_comm, \
+    enter_region, mark_sequence_parallel
 
 STYLES = ("colwise", "colwise_gather", "colwise_in_region", "rowwise", "rowwise_scatter", "vocab", "enter_region",
           "partial_grad")
@@ -81,22 +83,27 @@ def _enter_region_hook(mesh: Mesh, sequence_parallel: bool):
 @dataclass(frozen=True)
 class TensorParallelConfig:
     """How `ShardedModule` splits the model over tp > 1: ``plan`` (module-name patterns -> styles;
-    default: the model's ``tp_plan(tp, sequence_parallel)``), sequence parallelism, and the seed
-    of the dropout streams (`TPRandom`)."""
+    default: the model's ``tp_plan(tp, sequence_parallel)``), sequence parallelism, the seed
+    of the dropout streams (`TPRandom`), and ``async_comm``: under sequence parallelism, overlap the
+    linear layers' all-gather / reduce-scatter with their matmul (collective matmul)."""
 
     plan: dict | None = None
     sequence_parallel: bool = False
     dropout_seed: int = 0
+    async_comm: bool = False
 
     def __post_init__(self) -> None:
         if self.plan is not None and not isinstance(self.plan, dict):
             raise ValueError(f"tp_plan must be a dict {{'module.pattern': style}}, got {type(self.plan).__name__}")
         if not isinstance(self.dropout_seed, int) or isinstance(self.dropout_seed, bool):
             raise ValueError(f"dropout_seed={self.dropout_seed!r} must be an integer")
+        if not isinstance(self.async_comm, bool):
+            raise ValueError(f"async_comm={self.async_comm!r} must be True or False")
+        check_async_comm(self.async_comm, self.sequence_parallel, "TensorParallelConfig")
 
 
 def parallelize(module: nn.Module, mesh: Mesh, plan: dict[str, object], sequence_parallel: bool = False,
-                dropout_seed: int = 0) -> nn.Module:
+                dropout_seed: int = 0, async_comm: bool = False) -> nn.Module:
     """Swap the planned layers of ``module`` for tensor-parallel ones (in place); returns ``module``.
 
     Dropout gets its randomness from a `TPRandom` seeded with ``dropout_seed``:
@@ -110,6 +117,7 @@ def parallelize(module: nn.Module, mesh: Mesh, plan: dict[str, object], sequence
     matched, sizes the tp size does not divide, or attention heads it does not
     (a projection inside a module with an integer ``head_dim``).
     """
+    check_async_comm(async_comm, sequence_parallel, "parallelize")
     targets, region_of = check_plan(module, plan, mesh.tp)
     regions = [n for n, style in targets if style == "enter_region"]
     # Build every replacement first, so that nothing is changed if one fails.
@@ -121,7 +129,7 @@ def parallelize(module: nn.Module, mesh: Mesh, plan: dict[str, object], sequence
         parent_name, _, child = name.rpartition(".")
         parent = module.get_submodule(parent_name) if parent_name else module
         old = getattr(parent, child)
-        new = _convert(old, style, mesh, sequence_parallel, name)
+        new = _convert(old, style, mesh, sequence_parallel, name, async_comm)
         if name in region_of:
             new.region = [module.get_submodule(region_of[name])]  # a list: not registered as a submodule
         if id(old.weight) in shared:
@@ -269,7 +277,8 @@ def _check_heads(module: nn.Module, targets: list[tuple[str, object]], tp: int) 
                              "divides the number of heads (key/value heads too)")
 
 
-def _convert(old: nn.Module, style: str, mesh: Mesh, sequence_parallel: bool, name: str) -> nn.Module:
+def _convert(old: nn.Module, style: str, mesh: Mesh, sequence_parallel: bool, name: str,
+             async_comm: bool) -> nn.Module:
     if style == "vocab":
         return VocabParallelEmbedding(old, mesh, sequence_parallel=sequence_parallel)
     if style in ("rowwise", "rowwise_scatter"):
@@ -277,6 +286,8 @@ def _convert(old: nn.Module, style: str, mesh: Mesh, sequence_parallel: bool, na
             raise ValueError(f"plan: {name!r} is 'rowwise_scatter', whose input is replicated, but under sequence "
                              "parallelism it is a sequence shard; use 'rowwise' after a 'colwise' layer, or "
                              "sequence_parallel=False")
-        return RowParallelLinear(old, mesh, input_is_parallel=style == "rowwise", sequence_parallel=sequence_parallel)
+        return RowParallelLinear(old, mesh, input_is_parallel=style == "rowwise", sequence_parallel=sequence_parallel,
+                                 async_comm=async_comm)
     return ColumnParallelLinear(old, mesh, gather_output=style == "colwise_gather",
-                                sequence_parallel=sequence_parallel, input_in_region=style == "colwise_in_region")
+                                sequence_parallel=sequence_parallel, input_in_region=style == "colwise_in_region",
+                                async_comm=async_comm)
