@@ -35,7 +35,7 @@ from minipar.pipeline.schedule import SCHEDULES, holder, one_f_one_b, virtual_st
 
 from helpers import LR, WD
 from test_moe import EPS as MOE_EPS, _train_gpt  # the MoE tests' larger eps: see there
-from test_pipeline import LAYOUTS, _assert_equal_to_reference, _reference
+from test_pipeline import LAYOUTS, _assert_equal_to_reference, _reference, _report, _train
 from test_pipeline_schedules_run import _case, _train_schedule
 
 
@@ -160,6 +160,11 @@ def test_a_posted_receive_lets_the_rank_compute_while_in_flight():
     costs = {"F": 1, "B": 1}
     assert simulate(two_stages("IRECV_GRAD"), costs)["makespan"] == 6
     assert simulate(two_stages("RECV_GRAD"), costs)["makespan"] == 7
+    # stage 1 posting micro-batch 1's input before its first backward: that forward waits for it
+    early = two_stages("IRECV_GRAD")
+    early[1] = early[1][:2] + [Action("IRECV_ACT", 1)] + [a for a in early[1][2:] if a.kind != "RECV_ACT"]
+    result = simulate(early, costs)
+    assert result["makespan"] == 6 and [a for r, a in result["order"] if r == 1][2] == Action("IRECV_ACT", 1)
     with pytest.raises(ValueError, match="posted but never matched"):
         simulate(Schedule([[Action("F", 0), Action("SEND_ACT", 0), Action("IRECV_GRAD", 0)],
                            [Action("RECV_ACT", 0), Action("F", 0), Action("B", 0)]]))
@@ -191,6 +196,34 @@ def test_dense_gpt_equals_single_process(pools, case):
     expected = simulate(dualpipe_v(p, m))["peak_live"]
     for r in results:
         assert max(r["peaks"]) == expected[r["pp_rank"]] == 2 * p + 1, (r["pp_rank"], r["peaks"], expected)
+
+
+def _posted_inputs(schedule: Schedule) -> Schedule:
+    """Every blocking receive of an input activation posted instead, where it stands (IRECV_ACT):
+    the same run, through the executor's posted-receive path for activations."""
+    return Schedule([[Action("IRECV_ACT", a.microbatch, a.chunk) if a.kind == "RECV_ACT" else a for a in acts]
+                     for acts in schedule], chunks=schedule.chunks, placement=schedule.placement)
+
+
+def _train_posted_inputs(ctx, layout: dict, cfg: dict, data: torch.Tensor, options: dict, max_norm: float):
+    mesh = Mesh(**layout)
+    model = ShardedModule(GPT(GPTConfig(**cfg)), mesh=mesh, bucket_cap_mb=1e-3, **options)
+    model.pipeline.actions = _posted_inputs(model.pipeline.actions)
+    steps = [data[s].to(ctx.device) for s in range(data.shape[0])]
+    out = _report(model, *_train(model, steps, max_norm))
+    mesh.destroy()
+    return out
+
+
+def test_posted_input_receives_train_the_same(pools):
+    """dualpipe_v at pp 2 with its input receives posted too (IRECV_ACT, waited by the forward) equals
+    the single-process run as the schedule itself does."""
+    case = _case("dualpipe_v", "pp2", 5, seed=44)
+    cfg = dict(vocab_size=24, block_size=4, n_layer=case["n_layer"], n_head=2, n_embd=8, tie_weights=True, seed=44)
+    data = torch.randint(0, 24, (3, 5, 5), generator=torch.Generator().manual_seed(45))
+    assert any(a.kind == "IRECV_ACT" for acts in _posted_inputs(dualpipe_v(2, 5)) for a in acts)
+    results = pools.run(2, _train_posted_inputs, dict(pp=2), cfg, data, case["options"], 0.05)
+    _assert_equal_to_reference(results, _reference(cfg, list(data), 0.05))
 
 
 def test_moe_gpt_equals_single_process(pools):
