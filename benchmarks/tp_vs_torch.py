@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node=2 benchmarks/tp_vs_torch.py [--sequence-parallel --minipar-api sharded|parallelize
         --json out.json --check]  # --help: every flag
+    torchrun --nproc_per_node=2 benchmarks/tp_vs_torch.py --async-tp  # collective matmul against synchronous
 
 tp = world; the same GPT (untied head) and batches on both sides. minipar: ``ShardedModule(strategy=
 "ddp", sequence_parallel=...)`` applying ``GPT.tp_plan`` (or ``parallelize`` alone); torch:
@@ -10,6 +11,11 @@ tp = world; the same GPT (untied head) and batches on both sides. minipar: ``Sha
 ratio (goal <= 1.00, limit 1.25) and paired ratios; losses and parameters (the same function); minipar's
 collectives in one more step by segment beside `theory`, and torch's. ``--check``: exit 1 above the
 limit, on different functions, or on communication other than the theory.
+
+``--async-tp``: instead, one sequence-parallel MLP (column fc D -> 4D, GELU, row proj 4D -> D; forward and
+backward), synchronous against ``async_comm=True`` (collective matmul), beside the same local matmuls with
+no communication at all; exposed communication = a variant's median minus the compute's (paired,
+interleaved), and the planner's model (`minipar.plan.overlap`) fed the measured per-hop and per-chunk times.
 """
 
 from __future__ import annotations
@@ -34,7 +40,8 @@ import minipar
 from minipar.core.comm import wire_bytes
 from minipar.models import GPT
 from minipar.core.placement import placement_of
-from minipar.tensor_parallel import parallelize, vocab_parallel_cross_entropy
+from minipar.plan.overlap import exposed_comm_s
+from minipar.tensor_parallel import ColumnParallelLinear, RowParallelLinear, parallelize, vocab_parallel_cross_entropy
 
 RATIO_LIMIT, RATIO_GOAL = 1.25, 1.00
 LOSS_TOL = 1e-4    # |loss_minipar - loss_torch| over the first steps (fp32, same weights, same data)
@@ -295,9 +302,13 @@ def main() -> int:
     ap.add_argument("--sequence-parallel", action="store_true", help="sequence parallelism on both sides")
     ap.add_argument("--minipar-api", choices=("sharded", "parallelize"), default="sharded",
                     help="ShardedModule(strategy='ddp') applying GPT.tp_plan, or tensor_parallel.parallelize alone")
+    ap.add_argument("--async-tp", action="store_true",
+                    help="only the sequence-parallel MLP, synchronous vs async_comm=True vs its compute alone")
     args = ap.parse_args()
     world = int(os.environ.get("WORLD_SIZE", 1))
     mesh = harness.init(tp=world)
+    if args.async_tp:
+        return async_tp(args, mesh)
     device = mesh.device
     cfg = harness.gpt_config(args, tie_weights=False, seed=args.seed)
     # eps=1e-6, not 1e-8: AdamW's g / (sqrt(v) + eps) turns gradients that are pure rounding noise (the
@@ -367,6 +378,51 @@ def main() -> int:
         print(f"\nwall time of the training loops: {wall:.1f} s")
         harness.write_json(args.json, result)
     return harness.finish(args.check and not (c["ok"] and same_function and comm_ok))
+
+def async_tp(args, mesh) -> int:
+    """Exposed communication of a sequence-parallel MLP, synchronous against collective matmul."""
+    n, d, device = mesh.tp, args.n_embd, mesh.device
+    gen = torch.Generator().manual_seed(args.seed)
+    fc, proj = (torch.nn.Linear(a, b).to(device) for a, b in ((d, 4 * d), (4 * d, d)))
+    x_full = torch.randn(args.batch, args.seq, d, generator=gen).to(device)
+    x_shard = x_full.chunk(n, 1)[mesh.group("tp").rank].contiguous()
+    mlps = {name: torch.nn.Sequential(ColumnParallelLinear(fc, mesh, sequence_parallel=True, async_comm=on),
+                                      torch.nn.GELU(),
+                                      RowParallelLinear(proj, mesh, sequence_parallel=True, async_comm=on))
+            for name, on in (("sync", False), ("async", True))}
+    # the same local matmuls, no communication: the gathered input in, the partial sum out
+    local = torch.nn.Sequential(torch.nn.Linear(d, 4 * d // n), torch.nn.GELU(), torch.nn.Linear(4 * d // n, d))
+    local = local.to(device)
+
+    def run(model, x):
+        def step(i: int) -> None:
+            model(x.requires_grad_(True)).sum().backward()
+            model.zero_grad(set_to_none=True)
+            x.grad = None
+        return step
+
+    t = harness.interleave({"compute": run(local, x_full.clone()), "sync": run(mlps["sync"], x_shard.clone()),
+                            "async": run(mlps["async"], x_shard.clone())}, args.steps, args.warmup)
+    med = {k: t.median(k) for k in ("compute", "sync", "async")}
+    exposed = {k: max(0.0, med[k] - med["compute"]) for k in ("sync", "async")}
+    # the model, fed what was measured: 4 rings (fc and proj, forward and backward) of n-1 hops each;
+    # 6 layer-sized matmuls (2 forward, 4 backward), n chunks each
+    hops, chunks = 4 * (n - 1), 6 * n
+    comm_hop, compute_chunk = exposed["sync"] / max(hops, 1), med["compute"] / chunks
+    model = {k: 4 * exposed_comm_s(n, comm_hop, compute_chunk, overlap=k == "async") for k in ("sync", "async")}
+    result = {**harness.run_info(args, mesh), "tp": n, "median_s": med, "exposed_comm_s": exposed,
+              "model_exposed_comm_s": model, "async_over_sync": t.paired_median("async", "sync")}
+    if dist.get_rank() == 0:
+        print(f"sequence-parallel MLP (D={d} -> {4 * d} -> {d}, batch {args.batch} x seq {args.seq}), tp={n}, "
+              f"{harness.setting(mesh)}; forward + backward, {args.warmup} warm-up + {args.steps} timed steps each\n")
+        print(harness.table(["variant", "median ms", "exposed comm ms", "model exposed ms"],
+                            [[k, f"{med[k] * 1e3:.2f}", "-" if k == "compute" else f"{exposed[k] * 1e3:.2f}",
+                              "-" if k == "compute" else f"{model[k] * 1e3:.2f}"] for k in med]))
+        print(f"\nasync / sync, paired median: {result['async_over_sync']:.3f}; model per hop: comm "
+              f"{comm_hop * 1e3:.3f} ms, chunk matmul {compute_chunk * 1e3:.3f} ms")
+        harness.write_json(args.json, result)
+    return harness.finish(0)
+
 
 def report_comm(args, world: int, rows: list[dict], totals: dict, comm_ok: bool, torch_counts: dict) -> None:
     act = args.batch * args.seq * args.n_embd * 4
