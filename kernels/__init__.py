@@ -9,7 +9,7 @@ when the dispatch rule (``dispatch.use_triton``: CUDA tensor, or
 Who uses what: the GPT (``minipar.models``) its norms, activations and loss;
 tensor parallelism the vocab-parallel cross-entropy primitives; the ZeRO
 stages the fused AdamW step and the gradient scale-and-cast; the MoE layer
-permute/unpermute and GELU; the FP8 linear layers (``minipar.fp8``) the
+permute/unpermute, GELU and the experts' grouped product (``grouped_mm``); the FP8 linear layers (``minipar.fp8``) the
 row and tile quantisation (``fp8_cast``).
 """
 
@@ -20,6 +20,7 @@ if __name__ == "minipar.kernels":
     from .cross_entropy import cross_entropy, row_stats, xent_grad
     from .dispatch import interpreting, launches, use_triton
     from .fp8_cast import fp8_cast
+    from .grouped_mm import grouped_mm
     from .linear_cross_entropy import linear_cross_entropy
     from .norm import layer_norm, rms_norm
     from .permute import permute, unpermute
@@ -28,7 +29,7 @@ if __name__ == "minipar.kernels":
     __all__ = ["interpreting", "launches", "use_triton", "permute", "unpermute", "layer_norm", "rms_norm",
                "add_layer_norm", "add_rms_norm",
                "cross_entropy", "row_stats", "xent_grad", "linear_cross_entropy", "gelu", "swiglu", "adamw_step_",
-               "fused_step", "adamw_supports", "scale_cast_", "fp8_cast"]
+               "fused_step", "adamw_supports", "scale_cast_", "fp8_cast", "grouped_mm"]
 else:
     # Imported by its folder's name, `kernels`, because the repository root is on sys.path (`python -m
     # pytest` or a shell started there): transformers probes for Hugging Face's own `kernels` package

@@ -186,7 +186,8 @@ def test_moe_layer_goes_through_the_kernels():
         return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     (loss, grads), used = _launched_during(run)
-    assert {"gather_rows_kernel", "segment_sum_rows_kernel", "gelu_fwd_kernel", "gelu_bwd_kernel"} <= used, used
+    assert {"gather_rows_kernel", "segment_sum_rows_kernel", "gelu_fwd_kernel", "gelu_bwd_kernel",
+            "grouped_mm_kernel", "grouped_mm_weight_grad_kernel"} <= used, used
     with pytorch_path():
         ref_loss, ref_grads = run()
     torch.testing.assert_close(loss, ref_loss)
