@@ -226,30 +226,32 @@ def test_posted_input_receives_train_the_same(pools):
     _assert_equal_to_reference(results, _reference(cfg, list(data), 0.05))
 
 
-def test_moe_gpt_equals_single_process(pools):
+@pytest.mark.parametrize("world, sizes", [(2, dict(pp=2)), (4, dict(pp=2, dp=2, ep=2))], ids=["pp2", "pp2_dp2_ep2"])
+def test_moe_gpt_equals_single_process(pools, world, sizes):
     """The MoE GPT (4 experts, top-2, capacity factor 1.0: tokens dropped; aux and z losses) at pp 2,
-    four blocks (one per piece), m = 4: losses, clipped gradient norms and parameters after three AdamW
-    steps equal the single-process MoE GPT routing each micro-batch as its own group (as tests/test_moe.py
-    compares its pp layouts)."""
-    m = 4
+    alone and beside dp 2 with the experts over ep 2 (the dispatch/combine all-to-all exchanging
+    tokens), four blocks (one per piece), m = 4: losses, clipped gradient norms and parameters after
+    three AdamW steps equal the single-process MoE GPT routing each micro-batch of each dp rank as its
+    own group (as tests/test_moe.py compares its pp layouts; its eps, see there)."""
+    m, dp = 4, sizes.get("dp", 1)
     cfg = dict(vocab_size=16, block_size=6, n_layer=4, n_head=2, n_embd=8, n_experts=4, top_k=2,
                capacity_factor=1.0, aux_loss_coef=0.1, z_loss_coef=0.01, seed=5)
-    data = torch.randint(0, 16, (3, 2 * m, 7), generator=torch.Generator().manual_seed(6))
-    ref = MoEGPT(MoEGPTConfig(**cfg, route_groups=m))
+    data = torch.randint(0, 16, (3, dp * 2 * m, 7), generator=torch.Generator().manual_seed(6))
+    ref = MoEGPT(MoEGPTConfig(**cfg, route_groups=dp * m))
     opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD, eps=MOE_EPS)
     ref_losses, ref_norms, dropped = [], [], 0
     for s in range(3):
         x = data[s]
         logits = ref(x[:, :-1])
         dropped += ref.moe_stats()["dropped"]
-        lm = torch.stack([gpt_loss(lg, y) for lg, y in zip(logits.chunk(m), x[:, 1:].chunk(m))]).mean()
+        lm = torch.stack([gpt_loss(lg, y) for lg, y in zip(logits.chunk(dp * m), x[:, 1:].chunk(dp * m))]).mean()
         lm.backward()
         ref_norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05).item())
         opt.step()
         opt.zero_grad()
         ref_losses.append(lm.item())
     assert dropped > 0 and min(ref_norms) > 0.05  # tokens dropped, and clipping fires every step
-    results = pools.run(2, _train_gpt, dict(pp=2), cfg, data, m, dict(schedule="dualpipe_v"))
+    results = pools.run(world, _train_gpt, sizes, cfg, data, m, dict(schedule="dualpipe_v"))
     for rank, (losses, norms, state, _) in enumerate(results):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), msg=lambda s: f"rank {rank}: {s}")
         torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), msg=lambda s: f"rank {rank}: {s}")
