@@ -336,6 +336,29 @@ def test_async_without_sequence_parallel_is_refused_on_every_rank(pools):
         assert calls == 0, rank
 
 
+def _rank_fp8_async(ctx):
+    """An async column- and row-parallel layer converted to FP8: which collectives one forward and backward issue."""
+    from minipar.fp8 import Float8Config, apply_fp8
+    mesh = Mesh(tp=ctx.world_size)
+    layers = nn.Sequential(ColumnParallelLinear(_linear(0, 0, 32, 64, False), mesh, sequence_parallel=True,
+                                                async_comm=True),
+                           RowParallelLinear(_linear(0, 2, 64, 32, False), mesh, sequence_parallel=True,
+                                             async_comm=True))
+    apply_fp8(layers, Float8Config())
+    with mesh.comm.counting() as stats:
+        layers(_gen(0, 4, (1, 16, 32)).requires_grad_(True)).sum().backward()
+    mesh.destroy()
+    return {op: stats.calls(op) for op in ("all_gather", "reduce_scatter", "send")}
+
+
+def test_fp8_layers_keep_the_synchronous_collectives(pools):
+    """An FP8 layer takes over its layer's F.linear for the whole input (one scale per tensor) and has its
+    own backward, so under async_comm it keeps the synchronous all-gather and reduce-scatter (no ring):
+    the same function as FP8 without async_comm, not a chunk-by-chunk rescaling."""
+    for rank, calls in enumerate(pools.run(2, _rank_fp8_async, timeout=TIMEOUT)):
+        assert calls["send"] == 0 and calls["all_gather"] == 2 and calls["reduce_scatter"] == 2, (rank, calls)
+
+
 # -- the planner's model of the overlap ------------------------------------------------
 
 

@@ -114,7 +114,7 @@ def _gather_and_multiply(x_shard: torch.Tensor, weight: torch.Tensor, bias, comm
     full_shape = list(held.shape)
     full_shape[SEQ_DIM] = n * m
     x_full = held.new_empty(full_shape)
-    y = held.new_empty(full_shape[:-1] + [weight.shape[0]]) if compute else None
+    y = None  # allocated from the first product: its dtype is the matmul's (autocast may change it)
     for step in range(n):
         c = (r - step) % n  # whose chunk we hold
         works = []
@@ -124,7 +124,10 @@ def _gather_and_multiply(x_shard: torch.Tensor, weight: torch.Tensor, bias, comm
         rows = slice(c * m, (c + 1) * m)
         x_full[:, rows] = held
         if compute:
-            y[:, rows] = _chunk_matmul(held, weight, bias, step)
+            y_chunk = _chunk_matmul(held, weight, bias, step)
+            if y is None:
+                y = y_chunk.new_empty(full_shape[:-1] + [y_chunk.shape[-1]])
+            y[:, rows] = y_chunk
         for w in works:
             w.wait()
         if works:

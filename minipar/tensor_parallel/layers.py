@@ -27,6 +27,8 @@ row-parallel layer overlap that all-gather / reduce-scatter with their matmul, c
 around a ring (`minipar.tensor_parallel.collective_matmul`); the results are the same. An input
 entered once for several layers (q, k, v under "enter_region", or siblings sharing an entry) keeps
 the one synchronous gather: overlapping it would need one ring per layer, three times the bytes.
+An FP8 layer (`minipar.fp8`, which takes over the layer's ``F.linear`` for its whole input) keeps the
+synchronous collectives too: its chunks would be scaled one by one, and its backward is its own.
 """
 
 from __future__ import annotations
@@ -79,6 +81,11 @@ def check_async_comm(async_comm: bool, sequence_parallel: bool, what: str) -> No
                          "async_comm=False")
 
 
+def _overlaps(layer: nn.Module) -> bool:
+    """Whether ``layer`` runs its collective as a collective matmul (see the module docstring)."""
+    return layer.async_comm and layer.group.size > 1 and getattr(layer, "fp8_config", None) is None
+
+
 def enter_region(x: torch.Tensor, comm, group: AxisGroup, sequence_parallel: bool) -> torch.Tensor:
     """Make a replicated (or, with sequence parallelism, sequence-split) input whole for column-parallel work.
 
@@ -114,7 +121,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = None if linear.bias is None else _shard(linear.bias, self.group, 0, "bias")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.async_comm and not self.input_in_region and self.shared_entry is None and self.group.size > 1:
+        if _overlaps(self) and not self.input_in_region and self.shared_entry is None:
             y = all_gather_matmul(x, self.weight, self.bias, self.comm, self.group)
             return gather_from_region(y, self.comm, self.group, dim=-1, tag="tp") if self.gather_output else y
         if not self.input_in_region:
@@ -161,7 +168,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_region(x, self.comm, self.group, dim=-1, tag="tp")
-        if self.async_comm and self.group.size > 1:
+        if _overlaps(self):
             y = matmul_reduce_scatter(x, self.weight, self.comm, self.group)
             return y if self.bias is None else y + self.bias
         partial = F.linear(x, self.weight)
