@@ -76,12 +76,16 @@ def _rank_layers(ctx, case):
     # row-parallel: x (B, T, in/n) the rank's feature chunk -> y (B, T/n, out)
     x_row = _gen(seed, 12, (b, t, fin)).chunk(n, 2)[r]
     dy_row = _gen(seed, 13, (b, t, fout)).chunk(n, 1)[r]
+    dy_gathered = _gen(seed, 11, (b, t, fout))  # a replicated output: the same upstream gradient on every rank
     for async_comm in (False, True):
         col = ColumnParallelLinear(_linear(seed, 0, fin, fout, bias), mesh, sequence_parallel=True,
                                    async_comm=async_comm)
         row = RowParallelLinear(_linear(seed, 2, fin, fout, bias), mesh, sequence_parallel=True,
                                 async_comm=async_comm)
-        out[async_comm] = dict(col=_run_layer(col, x_col, dy_col, mesh), row=_run_layer(row, x_row, dy_row, mesh))
+        colg = ColumnParallelLinear(_linear(seed, 0, fin, fout, bias), mesh, gather_output=True, sequence_parallel=True,
+                                    async_comm=async_comm)
+        out[async_comm] = dict(col=_run_layer(col, x_col, dy_col, mesh), row=_run_layer(row, x_row, dy_row, mesh),
+                               colg=_run_layer(colg, x_col, dy_gathered, mesh))
     mesh.destroy()
     return out
 
@@ -99,7 +103,8 @@ def layer_cases(draw):
 @example(case=dict(tp=2, batch=1, seq=2, fin=2, fout=2, bias=False, seed=2))
 @ci_examples(4)  # the two examples above hold both tp sizes, bias and none, one and several rows per chunk
 def test_async_layers_equal_synchronous_layers(pools, case):
-    """Outputs and gradients of the async layers equal the synchronous ones. The weight gradient (and
+    """Outputs and gradients of the async layers (column-parallel, also with its output gathered, and
+    row-parallel) equal the synchronous ones. The weight gradient (and
     the column layer's bias gradient) is bit for bit the synchronous one: the same one matmul (sum) over
     the same gathered rows. The rest to fp32 rounding (assert_close's fp32 defaults): a chunk's product
     is the synchronous product's rows, but BLAS rounds a (T/n)-row matmul differently from a T-row one
@@ -107,7 +112,7 @@ def test_async_layers_equal_synchronous_layers(pools, case):
     on the wire are the synchronous collectives' ring-algorithm figures."""
     for rank, res in enumerate(pools.run(case["tp"], _rank_layers, case, timeout=TIMEOUT)):
         sync, asyn = res[False], res[True]
-        for layer, exact in (("col", ("dw", "db")), ("row", ("dw",))):
+        for layer, exact in (("col", ("dw", "db")), ("colg", ("dw", "db")), ("row", ("dw",))):
             for k in ("y", "dx", "dw", "db"):
                 a, s = asyn[layer][k], sync[layer][k]
                 if s is None:
@@ -117,7 +122,12 @@ def test_async_layers_equal_synchronous_layers(pools, case):
                 else:
                     torch.testing.assert_close(a, s, msg=lambda m: f"rank {rank} {layer} {k}: {m}")
             ring = sync[layer]["wire"]["all_gather"] + sync[layer]["wire"]["reduce_scatter"]
-            assert asyn[layer]["wire"] == {"all_gather": 0, "reduce_scatter": 0, "send": ring}, (rank, layer)
+            if layer == "colg":  # the features' all-gather of the output stays; the sequence's is the ring
+                ring -= asyn[layer]["wire"]["all_gather"]
+                assert asyn[layer]["wire"]["all_gather"] > 0, rank
+            else:
+                assert asyn[layer]["wire"]["all_gather"] == 0, (rank, layer)
+            assert asyn[layer]["wire"]["reduce_scatter"] == 0 and asyn[layer]["wire"]["send"] == ring, (rank, layer)
 
 
 # -- the whole GPT ---------------------------------------------------------------------
