@@ -115,15 +115,23 @@ def run_schedule(stage: nn.Module, schedule: Schedule, mesh: Mesh, inputs: list[
         else:
             out_grads[key] = buf
 
-    def wait_posted(a: Action, tag: str, key: tuple) -> float:
-        """Wait for the posted receive compute ``a`` needs; recorded as WAIT_ACT / WAIT_GRAD. Returns
-        when the compute itself starts."""
+    def wait_posted(a: Action, tag: str, key: tuple, start_event=None) -> tuple:
+        """Wait for the posted receive compute ``a`` needs, recorded as WAIT_ACT / WAIT_GRAD from when
+        the compute's span began (``start_event`` on a GPU). Returns when the compute itself starts:
+        (perf_counter seconds, on a GPU a new start event for its span)."""
+        name = f"WAIT_{tag[3:].upper()}{a.microbatch}" + (f"c{a.chunk}" if a.chunk else "")
         t = time.perf_counter()
         arrived(a, tag, key, *posted.pop((tag,) + key))
         end = time.perf_counter()
-        if timeline is not None and not gpu_clock:
-            timeline.append((f"WAIT_{tag[3:].upper()}{a.microbatch}" + (f"c{a.chunk}" if a.chunk else ""), t, end))
-        return end
+        if gpu_clock:  # the wait is the compute stream's, after start_event
+            waited = torch.cuda.Event(enable_timing=True)
+            waited.record()
+            spans.append((name, start_event, waited))
+            start_event = torch.cuda.Event(enable_timing=True)
+            start_event.record()
+        elif timeline is not None:
+            timeline.append((name, t, end))
+        return end, start_event
 
     try:
         for at, a in enumerate(actions):
@@ -157,7 +165,7 @@ def run_schedule(stage: nn.Module, schedule: Schedule, mesh: Mesh, inputs: list[
                     pending.append((comm.send(t, dst_rank, groups[tag], async_op=True, tag=tag), t))
             elif a.kind == "F":
                 if ("pp_act",) + key in posted:
-                    t0 = wait_posted(a, "pp_act", key)
+                    t0, ev0 = wait_posted(a, "pp_act", key, ev0 if gpu_clock else None)
                 out = stage(inputs[a.microbatch] if k == 0 else received[key], chunk=a.chunk)
                 if k == pieces - 1:
                     out = loss_fn(out, targets[a.microbatch]) / m
@@ -167,7 +175,7 @@ def run_schedule(stage: nn.Module, schedule: Schedule, mesh: Mesh, inputs: list[
                 peak_live = max(peak_live, live)
             elif a.kind == "B":
                 if ("pp_grad",) + key in posted:
-                    t0 = wait_posted(a, "pp_grad", key)
+                    t0, ev0 = wait_posted(a, "pp_grad", key, ev0 if gpu_clock else None)
                 out, grad = outputs.pop(key), out_grads.pop(key, None)
                 if split:
                     weight_grads[key] = backward_input(out, grad, received.get(key))
