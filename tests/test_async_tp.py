@@ -326,6 +326,11 @@ def _rank_refusal(ctx):
     model = GPT(GPTConfig(vocab_size=8, block_size=4, n_layer=1, n_head=2, n_embd=8))
     errors = []
     with mesh.comm.counting() as stats:
+        row = RowParallelLinear(nn.Linear(4, 4), mesh, sequence_parallel=True, async_comm=True)
+        try:
+            row(torch.zeros(1, 3, 2))  # a sequence of 3 over tp = 2
+        except ValueError as e:
+            errors.append(str(e))
         for build in (lambda: parallelize(model, mesh, model.tp_plan(2), async_comm=True),
                       lambda: ColumnParallelLinear(nn.Linear(4, 4), mesh, async_comm=True),
                       lambda: RowParallelLinear(nn.Linear(4, 4), mesh, async_comm=True)):
@@ -339,10 +344,10 @@ def _rank_refusal(ctx):
 
 def test_async_without_sequence_parallel_is_refused_on_every_rank(pools):
     """parallelize and both layers refuse async_comm without sequence parallelism on every rank, before
-    any collective, saying the fix."""
+    any collective, saying the fix; so does the row-parallel ring given a sequence tp does not divide."""
     for rank, (errors, calls) in enumerate(pools.run(2, _rank_refusal, timeout=TIMEOUT)):
-        assert len(errors) == 3 and all("pass sequence_parallel=True or async_comm=False" in e for e in errors), \
-            (rank, errors)
+        assert len(errors) == 4 and "not divisible by tp=2" in errors[0], (rank, errors)
+        assert all("pass sequence_parallel=True or async_comm=False" in e for e in errors[1:]), (rank, errors)
         assert calls == 0, rank
 
 

@@ -55,6 +55,9 @@ def all_gather_matmul(x_shard: torch.Tensor, weight: torch.Tensor, bias: torch.T
 def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, comm: Comm, group: AxisGroup) -> torch.Tensor:
     """``ReduceScatter_seq(F.linear(x, weight))`` with the reduce-scatter overlapped chunk by chunk.
     x: (B, T, in_local) -> (B, T/n, out)."""
+    if x.shape[SEQ_DIM] % group.size:  # before the first hop: every rank holds this shape and raises
+        raise ValueError(f"matmul_reduce_scatter: sequence length {x.shape[SEQ_DIM]} is not divisible by tp="
+                         f"{group.size}; under sequence parallelism use a sequence length tp divides")
     return _MatmulReduceScatter.apply(x, weight, comm, group)
 
 
