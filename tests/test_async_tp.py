@@ -157,19 +157,23 @@ def _train_tp_async(ctx, cfg: dict, data: torch.Tensor, max_norm: float):
     return losses, norms, grads, params, rings
 
 
-def test_async_tp_gpt_equals_single_process(pools):
-    """GPT (2 layers, gelu MLP, learned positions, tied head) under tp2 + sequence parallelism +
-    async_comm: losses, gradient norms, gradients and parameters after three AdamW steps with clipping
-    that fires equal the single-process GPT (fp32 defaults, as tests/test_tensor_parallel.py); the
-    rings ran (fc, lm_head: all-gather-matmul; o_proj, proj: matmul-reduce-scatter)."""
+@pytest.mark.parametrize("tp, variant", [(2, {}), (4, dict(mlp="swiglu", pos="rope", norm="rmsnorm", bias=False,
+                                                               tie_weights=False))])
+def test_async_tp_gpt_equals_single_process(pools, tp, variant):
+    """GPT (2 layers; gelu MLP, learned positions, tied head at tp2; SwiGLU, rotary, RMSNorm, untied head at
+    tp4) under sequence parallelism + async_comm: losses, gradient norms, gradients and parameters after
+    three AdamW steps with clipping that fires equal the single-process GPT (fp32 defaults, as
+    tests/test_tensor_parallel.py); the rings ran (fc or nothing under SwiGLU's entered region, lm_head:
+    all-gather-matmul; o_proj, proj: matmul-reduce-scatter)."""
     cfg = dict(vocab_size=20, block_size=8, n_layer=2, n_head=4, n_embd=16, bias=True, tie_weights=True, seed=1)
+    cfg.update(variant)
     data = torch.randint(0, cfg["vocab_size"], (3, 2, cfg["block_size"] + 1), generator=torch.Generator().manual_seed(3))
     max_norm = 0.05
     ref = _train_reference(cfg, data, max_norm, 2.0)
     assert max(ref[1]) > max_norm, "clipping must fire for this test to mean anything"
     f32 = lambda xs: torch.tensor(xs, dtype=torch.float32)  # noqa: E731
     for rank, (losses, norms, grads, params, rings) in enumerate(
-            pools.run(2, _train_tp_async, cfg, data, max_norm, timeout=TIMEOUT)):
+            pools.run(tp, _train_tp_async, cfg, data, max_norm, timeout=TIMEOUT)):
         assert all(calls > 0 for calls in rings), (rank, rings)
         torch.testing.assert_close(f32(losses), f32(ref[0]), msg=lambda m: f"rank {rank} losses: {m}")
         torch.testing.assert_close(f32(norms), f32(ref[1]), msg=lambda m: f"rank {rank} norms: {m}")
