@@ -384,3 +384,60 @@ def test_each_pair_overlaps_its_transfers_with_the_other_halfs_compute(pools):
         assert not bad and checked == (m - 2 if rank == 0 else m - 3), (rank, bad, checked, log)
     found = [_overlap_violations(schedule[rank], log, 2, rank)[0] for rank, log, _ in pools.run(2, _logged_step, m, True)]
     assert all(found), found
+
+
+# -- a stage that fails inside a pair stops every stage at once ---------------------------------------
+
+FAULT_TIMEOUT_S = 60  # the mesh's: every stage must raise well before it
+
+
+def _fails_in_a_pair(ctx):
+    """dp=2 beside pp=2 (the failed step's messages stay in this mesh's groups); m=4: rank 0's seventh
+    forward, F2c1, raises: it is the forward of a pair whose gradient receive (IRECV_GRAD0) is already
+    posted. Returns what each of two steps said, with its time, and the world's health after."""
+    import time
+
+    import torch.distributed as dist
+
+    mesh = Mesh(pp=2, dp=2, timeout=FAULT_TIMEOUT_S)
+    cfg = GPTConfig(vocab_size=16, block_size=8, n_layer=4, n_head=2, n_embd=8, seed=3)
+    model = ShardedModule(GPT(cfg), mesh=mesh, schedule="dualpipe_v", microbatches=4)
+    calls = []
+
+    def fail(module, args, out):
+        calls.append(1)
+        if mesh.pp_rank == 0 and len(calls) == 7:
+            raise RuntimeError("injected: F2c1 fails")
+    model.module.register_forward_hook(fail)
+    x = torch.randint(0, 16, (4, 9), generator=torch.Generator().manual_seed(0))
+    said = []
+    for _ in range(2):  # the failing step, then a step the same model refuses
+        start = time.perf_counter()
+        try:
+            model.train_step(x[:, :-1], x[:, 1:], model.cross_entropy)
+            said.append(("trained", 0.0))
+        except Exception as e:
+            said.append((f"{type(e).__name__}: {e}", time.perf_counter() - start))
+    mesh.destroy()
+    ones = torch.ones(1)
+    dist.all_reduce(ones)
+    return said, mesh.pp_rank, ones.item()
+
+
+def test_a_stage_failing_inside_a_pair_stops_every_stage_at_once(pools):
+    """The failing stage raises its own error with a receive still posted; the other stage raises
+    PipelineAborted naming it, within seconds (the mesh's timeout is 60 s), at a receive or a posted
+    receive's wait; the model refuses a second step on every rank; the world still works."""
+    if pools.backend_for(4) == "nccl":
+        pytest.skip("over NCCL a receive is not read for the failure marker (minipar.pipeline.abort)")
+    assert Action("IRECV_GRAD", 0) in dualpipe_v(2, 4)[0][:dualpipe_v(2, 4)[0].index(Action("F", 2, 1))]
+    for rank, (said, stage, healthy) in enumerate(pools.run(4, _fails_in_a_pair, timeout=120)):
+        (first, first_s), (second, _) = said
+        if stage == 0:
+            assert first.startswith("RuntimeError: injected: F2c1 fails"), (rank, first)
+        else:
+            assert first.startswith("PipelineAborted: ") and "pipeline stage 0 " in first, (rank, first)
+            assert "failed at F2c1" in first, (rank, first)
+        assert first_s < FAULT_TIMEOUT_S / 4, f"rank {rank} raised after {first_s:.1f} s: {first}"
+        assert second.startswith("ValueError: an earlier step stopped midway"), (rank, second)
+        assert healthy == 4, rank
