@@ -27,7 +27,7 @@ _FLAT_OPTIONS = {
     "reshard_after_forward": ("strategy", "reshard_after_forward"),
     "unit_check": ("strategy", "unit_check"),
     "tp_plan": ("tensor_parallel", "plan"), "sequence_parallel": ("tensor_parallel", "sequence_parallel"),
-    "dropout_seed": ("tensor_parallel", "dropout_seed"),
+    "dropout_seed": ("tensor_parallel", "dropout_seed"), "async_comm": ("tensor_parallel", "async_comm"),
     "schedule": ("pipeline", "schedule"), "microbatches": ("pipeline", "microbatches"),
     "pipeline_boundaries": ("pipeline", "boundaries"), "record_timeline": ("pipeline", "record_timeline"),
     "stage_spec": ("pipeline", "stage_spec"), "virtual_stages": ("pipeline", "virtual_stages"),

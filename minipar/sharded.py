@@ -128,7 +128,8 @@ class ShardedModule(nn.Module):
             module, plan = cut.stage(module, plan)
         self.module = module.to(mesh.device)
         if plan is not None:
-            parallelize(self.module, mesh, plan, sequence_parallel=sp, dropout_seed=tp_config.dropout_seed)
+            parallelize(self.module, mesh, plan, sequence_parallel=sp, dropout_seed=tp_config.dropout_seed,
+                        async_comm=tp_config.async_comm)
         if cut is not None:  # the last stage's tied LM head says whose copy it is (norms, checkpoints)
             cut.mark_replicas(self.module)
         self._moe_sequence_parallel = apply_experts(self.module, mesh, sp) if experts else False

@@ -26,6 +26,7 @@ import torch.nn as nn
 from hypothesis import example, given, strategies as st
 
 import minipar.tensor_parallel.collective_matmul as cm
+from minipar import ShardedModule
 from minipar.core.mesh import Mesh
 from minipar.models import GPT, GPTConfig
 from minipar.plan.overlap import exposed_comm_s, tp_matmul_exposed
@@ -33,7 +34,7 @@ from minipar.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, Te
                                      parallelize, vocab_parallel_cross_entropy)
 
 from conftest import ci_examples
-from helpers import EPS, LR, WD
+from helpers import EPS, LR, WD, train_rows
 from test_tensor_parallel import _full, _train_reference
 
 TIMEOUT = 180  # seconds per multi-rank call: the machine is shared and sometimes heavily loaded
@@ -181,6 +182,38 @@ def test_async_tp_gpt_equals_single_process(pools, tp, variant):
             torch.testing.assert_close(grads[name], g, msg=lambda m: f"rank {rank} grad {name}: {m}")
         for name, p in ref[3].items():
             torch.testing.assert_close(params[name], p.detach(), msg=lambda m: f"rank {rank} {name}: {m}")
+
+
+# -- through the front door -------------------------------------------------------------
+
+
+def _train_front_door(ctx, cfg: dict, data: torch.Tensor, options: dict):
+    mesh = Mesh(dp=2, tp=2)
+    model = ShardedModule(GPT(GPTConfig(**cfg)), mesh=mesh, strategy="zero1", sequence_parallel=True, **options)
+    opt = model.build_optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD, eps=EPS)
+    with mesh.comm.counting() as stats:
+        losses, norms = train_rows(model, opt, data, 0.05)
+    rings = stats.calls("send", tag="tp_gather_mm") + stats.calls("send", tag="tp_mm_scatter")
+    state = {k: v.float() for k, v in model.full_state_dict().items()}
+    mesh.destroy()
+    return losses, norms, state, rings
+
+
+def test_the_front_door_runs_async_tp(pools):
+    """``ShardedModule(..., async_comm=True)`` (the flat keyword of ``TensorParallelConfig(async_comm=True)``)
+    runs the rings under dp2 x tp2 zero1 with sequence parallelism, and trains as the synchronous layout
+    does, which tests/test_composition.py proves equal to one process (fp32 defaults: the ring sums the
+    partial products in another order); without it no ring runs."""
+    cfg = dict(vocab_size=20, block_size=8, n_layer=2, n_head=4, n_embd=16, seed=1)
+    data = torch.randint(0, 20, (3, 4, 9), generator=torch.Generator().manual_seed(4))
+    sync = pools.run(4, _train_front_door, cfg, data, {}, timeout=TIMEOUT)
+    asyn = pools.run(4, _train_front_door, cfg, data, {"async_comm": True}, timeout=TIMEOUT)
+    for rank, ((l0, n0, s0, r0), (l1, n1, s1, r1)) in enumerate(zip(sync, asyn)):
+        assert r0 == 0 and r1 > 0, (rank, r0, r1)
+        torch.testing.assert_close(torch.tensor(l1), torch.tensor(l0), msg=lambda m: f"rank {rank} losses: {m}")
+        torch.testing.assert_close(torch.tensor(n1), torch.tensor(n0), msg=lambda m: f"rank {rank} norms: {m}")
+        for k, v in s0.items():
+            torch.testing.assert_close(s1[k], v, msg=lambda m: f"rank {rank} {k}: {m}")
 
 
 # -- the order of launches, computes and waits ---------------------------------------
