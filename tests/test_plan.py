@@ -543,3 +543,24 @@ def test_a_registered_strategy_is_planned_from_what_it_shards_alone():
     finally:
         registry._REGISTRY.clear()
         registry._REGISTRY.update(before)
+
+
+def test_the_planner_reports_what_collective_matmul_would_leave_exposed():
+    """``exposed_tp_async_s`` (beside the ranking, `minipar.plan.overlap`): never more than the
+    synchronous tp exposure, nothing without tp, and all of it once the matmuls take no time (a
+    cluster a million times faster at compute: no chunk left to hide a hop behind)."""
+    from dataclasses import replace as with_
+    from minipar.plan import Layout, evaluate
+    from minipar.plan.presets import H100, MODELS
+    model, cluster = MODELS["llama3-70b"], with_(H100, nodes=8)
+    fast = with_(cluster, peak_flops=cluster.peak_flops * 1e6)
+    seen_hidden = False
+    for name in ("tp8.pp4.dp2.zero1", "tp4.pp8.dp2.zero3", "tp2.pp8.dp4.zero1", "tp1.pp8.dp8.zero1"):
+        lay = Layout.parse(name)
+        r, rf = evaluate(model, cluster, 1024, lay), evaluate(model, fast, 1024, lay)
+        sync = r["exposed_s"]["tp"]
+        assert 0 <= r["exposed_tp_async_s"] <= sync, (name, r["exposed_tp_async_s"], sync)
+        assert (lay.tp == 1) <= (r["exposed_tp_async_s"] == sync == 0), name
+        assert rf["exposed_tp_async_s"] == pytest.approx(rf["exposed_s"]["tp"], rel=1e-4), name
+        seen_hidden |= lay.tp > 1 and r["exposed_tp_async_s"] < sync
+    assert seen_hidden, "on H100s the matmuls hide some tp hops for some layout"

@@ -29,6 +29,7 @@ from minipar.plan import compute as C, formulas as F
 from minipar.core.comm import wire_bytes
 
 from ..data_parallel.strategy import planned_strategies, strategy_entry
+from .overlap import exposed_comm_s
 from .presets import H100, MODELS, Cluster, ModelShape
 from .readable import size
 
@@ -294,8 +295,14 @@ def _times(model: ModelShape, cluster: Cluster, global_batch: int, lay: Layout, 
                "tp": seconds.get("tp", 0), "pp": seconds.get("pp", 0), "ep": seconds.get("ep", 0)}
     step = compute + bubble + sum(exposed.values())
     fits = mem["total"] <= cluster.memory * MEMORY_HEADROOM
+    # With collective matmul (TensorParallelConfig(async_comm=True)) each tp hop flies during a chunk's
+    # matmul: the linear layers' compute, (tp - 1)/tp of it split over the hops (`minipar.plan.overlap`).
+    # Reported beside the ranking, not in it: minipar overlaps fc, lm_head and the row-parallel layers,
+    # not q/k/v's shared gather, so this is the bound collective matmul approaches.
+    linear = compute * (1 - attention_share)
+    tp_async = exposed_comm_s(lay.tp, exposed["tp"] / max(lay.tp - 1, 1), linear / lay.tp) if lay.tp > 1 else 0.0
     return dict(step_s=step, compute_s=compute, bubble_s=bubble, bubble=C.bubble_fraction(lay.pp, m),
-                exposed_s=exposed, comm_s=seconds, tokens_per_s=tokens / step,
+                exposed_s=exposed, exposed_tp_async_s=tp_async, comm_s=seconds, tokens_per_s=tokens / step,
                 mfu=6 * active * tokens / step / (gpus * cluster.peak_flops), fits=fits)
 
 

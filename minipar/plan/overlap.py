@@ -18,7 +18,9 @@ benchmarks/tp_vs_torch.py, measures the sum of those).
 With c = bytes of one chunk / bandwidth and m = 2 · (tokens/n) · in · out / n FLOPs / FLOP rate,
 the column-parallel layer's hop is a chunk of its *input* (in features) and the row-parallel
 layer's a chunk of its *output* (out features): `tp_matmul_exposed`. The planner
-(`minipar.plan`, which counts tp traffic as exposed in full today) would subtract the difference.
+(`minipar.plan`) ranks layouts with tp traffic exposed in full (minipar does not overlap q/k/v's
+shared gather) and reports beside it, as ``exposed_tp_async_s`` and in ``--explain``, this bound
+with the linear layers' compute as the chunks' matmuls.
 """
 
 from __future__ import annotations

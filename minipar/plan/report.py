@@ -79,5 +79,7 @@ def explain(model: ModelShape, cluster: Cluster, global_batch: int, lay: Layout)
               f"      bubble = compute · (pp - 1) / m = {seconds(r['compute_s'])} · {lay.pp - 1} / {r['microbatches']} = "
               f"{seconds(r['bubble_s'])}  ((p-1)/(m+p-1) = {r['bubble']:.3f} of the step)",
               "      exposed communication: " + ", ".join(f"{k} {seconds(v)}" for k, v in r["exposed_s"].items()),
+              f"      (tp with collective matmul, async_comm=True: at best {seconds(r['exposed_tp_async_s'])} exposed, "
+              "each hop behind a chunk's matmul: minipar.plan.overlap)" if lay.tp > 1 else "",
               f"      step = {seconds(r['step_s'])}; {r['tokens_per_s']:,.0f} tokens/s; MFU {r['mfu']:.3f}"]
-    return "\n".join(lines)
+    return "\n".join(line for line in lines if line)
