@@ -59,7 +59,7 @@ class ShardedModule(nn.Module):
         strategy: "ddp", "zero1", "zero2", "zero3" (= "fsdp"), or a `DataParallelConfig` with the
             strategy's options (bucket size, mixed precision, offload, zero3 wrap policy and resharding).
         tensor_parallel: a `TensorParallelConfig` (plan, sequence parallelism), used when tp > 1.
-        pipeline: a `PipelineConfig` (schedule: gpipe, 1f1b, interleaved_1f1b, zb_h1, zb_v;
+        pipeline: a `PipelineConfig` (schedule: gpipe, 1f1b, interleaved_1f1b, zb_h1, zb_v, dualpipe_v;
             micro-batches, virtual stages, boundaries, timeline), used when pp > 1.
         context_parallel: "ring" or "ulysses" (default ring) when the mesh has cp > 1: the cp ranks
             split each sequence (`minipar.context_parallel.context`); forward then takes this rank's tokens.

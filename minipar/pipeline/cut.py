@@ -26,7 +26,7 @@ class PipelineCut:
 
     ``frees_gathered``: the data-parallel strategy frees the parameters it gathered for a forward
     right after it (ZeRO-3 with reshard_after_forward); a schedule that computes weight gradients
-    after the input backward (zb_h1, zb_v) would then find them gone, so it is refused.
+    after the input backward (zb_h1, zb_v, dualpipe_v) would then find them gone, so it is refused.
     """
 
     def __init__(self, module: nn.Module, mesh: Mesh, config: PipelineConfig, *, sequence_parallel: bool,
