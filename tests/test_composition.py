@@ -1,8 +1,9 @@
 """The composition matrix: every valid layout, proven equal to the single-process run.
 
 A layout picks one value per option: the data-parallel strategy, tp, sequence parallelism, pp and
-its schedule (GPipe, 1F1B, interleaved 1F1B, ZB-H1, ZB-V), mixture of experts (dense, MoE, MoE over ep=2), HSDP (dp_shard = dp / 2), the
-precision, activation checkpointing, context parallelism (cp 2 or 4, ring or Ulysses) and the model
+its schedule (GPipe, 1F1B, interleaved 1F1B, ZB-H1, ZB-V), mixture of experts (dense, MoE, MoE over
+ep=2, DeepSeekMoE over ep=2 where dp allows), HSDP (dp_shard = dp / 2), the
+precision (fp32, bf16, fp8), activation checkpointing, context parallelism (cp 2 or 4, ring or Ulysses) and the model
 (minipar's GPT, or its Llama-style form: rotary positions, RMSNorm, SwiGLU), on 4 or 8
 ranks. `all_layouts` lists every combination that
 can exist (the mesh must fit the world, ep and dp_shard must divide dp, sequence parallelism needs
@@ -20,6 +21,14 @@ data fails it) for parameters: the tests of each strategy
 (test_zero, test_pipeline) emulate bf16 exactly where that is possible; here the point is that the
 composition is right, which a wrong scale, a missing reduction or a mixed-up shard would break by
 far more than bf16 rounding.
+
+fp8 layouts (tensorwise FP8 linear layers over fp32 params, gathered in FP8 under ZeRO-3) are compared
+with the single-process model in FP8 (`apply_fp8`), whose layers quantise each rank's tokens apart as
+the ranks do (`_quantise_per_rank`), at fp32 tolerances; where a sum upstream of an FP8 cast is ordered
+otherwise (tp, cp, MoE) at `FP8_FLIPS`. fp32 params and not bf16: against bf16's tolerances FP8 itself
+is invisible at these sizes (a reference without FP8 passes them), and the FP8 all-gather's equality
+in bf16 is test_fp8_all_gather's, bit for bit. DeepSeekMoE layouts move the expert bias after each
+step on both sides.
 
 The refusals that remain are listed in `REFUSALS`, each with its message, raised on every rank
 before any collective.
@@ -169,11 +178,29 @@ def _options(c: dict, m: int) -> dict:
 
 
 def _policy(c: dict) -> MixedPrecision | None:
-    """fp8: bf16 params with tensorwise FP8 linear layers, gathered in FP8 under ZeRO-3."""
+    """fp8: tensorwise FP8 linear layers over fp32 params (module docstring), gathered in FP8 under ZeRO-3."""
     if c["precision"] == "fp8":
-        return MixedPrecision(param_dtype=torch.bfloat16, fp8=Float8Config("tensorwise",
-                                                                           all_gather=c["strategy"] == "zero3"))
+        return MixedPrecision(param_dtype=torch.float32, fp8=Float8Config("tensorwise",
+                                                                          all_gather=c["strategy"] == "zero3"))
     return BF16 if c["precision"] == "bf16" else None
+
+
+def _reorders_before_a_cast(c: dict) -> bool:
+    """Does the layout sum in another order than one process *upstream* of an FP8 cast? tp (row-parallel
+    outputs, column-parallel dX), cp (attention over the ranks' keys) and MoE (experts' outputs gathered
+    and combined per rank) do; dp, pp, ZeRO, HSDP and recomputation only sum gradients after every cast."""
+    return c["tp"] > 1 or c["cp"] > 1 or c["moe"] != "dense"
+
+
+# Where a sum upstream of a cast is ordered otherwise, an fp32 value one ulp off that lies within that ulp
+# of an FP8 rounding boundary is cast one e4m3/e5m2 step the other way (1/8 or 1/4 of it): test_fp8 saw
+# it on 1-4% of a weight gradient's elements at tp=2 on a wider GPT (1.3e-3 nats after 3 steps). At the
+# matrix's sizes the CI sample's fp8 layouts equal the reference to fp32's defaults, and of 24 long-profile
+# fp8 layouts one (w8-zero3-tp1-pp2-gpipe-moe-fp8-recompute-cp2ring) does not: its third clipped norm is
+# 3.9e-5 relative apart. These admit a few flips and still see FP8 itself (a reference without FP8 is
+# 4.7e-4 nats apart): losses within 1e-4 nats, clipped norms within 0.1%, parameters within 2 lr per step
+# (a gradient element whose sign flips moves AdamW's step by ~2 lr).
+FP8_FLIPS = (dict(rtol=0, atol=1e-4), dict(rtol=1e-3, atol=0), dict(rtol=0, atol=2 * LR * 3))
 
 
 def _train(ctx, c, data, m):
@@ -261,8 +288,11 @@ def test_layout_equals_single_process(pools, c):
     data = torch.randint(0, 16, (3, dp * 2 * m, 9), generator=torch.Generator().manual_seed(5))
     ref_losses, ref_norms, ref_state, initial = _reference(c, data, m)
     assert min(ref_norms) > MAX_NORM  # clipping fires every step
-    if c["precision"] == "fp32":
+    param_tol = {}
+    if c["precision"] == "fp32" or (c["precision"] == "fp8" and not _reorders_before_a_cast(c)):
         tol, norm_tol = {}, {}
+    elif c["precision"] == "fp8":  # an fp32 sum ordered otherwise before an FP8 cast (module docstring)
+        tol, norm_tol, param_tol = FP8_FLIPS
     else:  # bf16 compute against the fp32 reference (module docstring)
         tol, norm_tol = dict(rtol=2e-2, atol=1e-2), dict(rtol=5e-2, atol=0)
     for rank, (losses, norms, state) in enumerate(pools.run(c["world"], _train, c, data, m)):
@@ -270,9 +300,9 @@ def test_layout_equals_single_process(pools, c):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), msg=where, **tol)
         torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), msg=where, **norm_tol)
         assert state.keys() == ref_state.keys(), where("state dict keys differ")
-        if c["precision"] == "fp32":
+        if c["precision"] != "bf16":
             for k, v in ref_state.items():
-                torch.testing.assert_close(state[k], v, msg=lambda s: f"rank {rank} {k}: {s}")
+                torch.testing.assert_close(state[k], v, msg=lambda s: f"rank {rank} {k}: {s}", **param_tol)
         else:
             _assert_same_updates(state, ref_state, initial, where, moe=c["moe"] != "dense")
 

@@ -39,6 +39,9 @@ class Part:
 
 @dataclass
 class Unit:
+    """A wrapped module (or the root's leftover parameters), its parts, and where it stands in the state
+    machine; the counters tell `Zero3` when its backward has delivered every gradient."""
+
     name: str
     module: nn.Module
     parts: list[Part]
