@@ -4,9 +4,10 @@ The claim: gathering a unit's FP8 weights as e4m3 bytes changes nothing the mode
 weight shapes, shard count and recipe (tensorwise, blockwise), the shards quantised apart and
 dequantised after the gather are the values `quantise` makes of the whole weight, and an FP8 layer
 fed them computes bit for bit what it computes from the original weight (forward, dX, dW). Then
-ZeRO-3 (dp=2; dp=2 x tp=2; HSDP) trains three AdamW steps (clipping fires) with all_gather=True
-*exactly* (torch.equal) as with all_gather=False, and in fp32 params as the single-process FP8 run
-to test_fp8's tolerance. The bytes counted on the "param" tag are the formula's; the FP8 weights'
+ZeRO-3 (dp=2; dp=2 x tp=2; HSDP) trains three AdamW steps (clipping fires) with all_gather=True as
+with all_gather=False (the first loss bit for bit, the rest to fp32's defaults: the gradient norm's
+partial sums follow the shards), and in fp32 params as the single-process FP8 run to test_fp8's
+tolerance. The bytes counted on the "param" tag are the formula's; the FP8 weights'
 share is half of bf16's. Bad combinations are ValueErrors that say the fix.
 """
 
@@ -142,9 +143,12 @@ if LONG:
 
 @pytest.mark.parametrize("scaling, layout", CASES, ids=[f"{s}-{l}" for s, l in CASES])
 def test_zero3_trains_exactly_as_without_the_fp8_gather(pools, scaling, layout):
-    """bf16 params: all_gather=True equals all_gather=False bit for bit (losses, clipped norms, parameters
-    after three steps), since every FP8 product sees the same operands (the first test); the FP8 weights
-    travel as one byte each (the records' dtype uint8), the rest as bf16."""
+    """bf16 params: all_gather=True equals all_gather=False, since every FP8 product sees the same operands
+    (the first test): the first loss bit for bit; then losses, clipped norms and parameters after three
+    steps to fp32's default tolerances (rtol 1.3e-6, atol 1e-5), because the FP8 weights' own flat group
+    changes how the shards cut the model, and so the order of the gradient norm's partial sums: the clip
+    factor may differ in its last bit (blockwise HSDP: the first norm 1e-7 relative apart). The FP8
+    weights travel as one byte each (the records' dtype uint8), the rest as bf16."""
     sizes = LAYOUTS[layout]
     tp = sizes.get("tp", 1)
     world = sizes["dp"] * tp
@@ -153,9 +157,11 @@ def test_zero3_trains_exactly_as_without_the_fp8_gather(pools, scaling, layout):
     runs = {g: pools.run(world, _train, cfg, scaling, sizes, g, torch.bfloat16, data) for g in (False, True)}
     assert max(runs[False][0][1]) > MAX_NORM, "clipping must fire"
     for rank, (plain, fp8) in enumerate(zip(runs[False], runs[True])):
-        assert plain[0] == fp8[0] and plain[1] == fp8[1], (rank, plain[:2], fp8[:2])
+        assert plain[0][0] == fp8[0][0], (rank, plain[0], fp8[0])
+        torch.testing.assert_close(torch.tensor(fp8[0]), torch.tensor(plain[0]), msg=lambda m: f"rank {rank}: {m}")
+        torch.testing.assert_close(torch.tensor(fp8[1]), torch.tensor(plain[1]), msg=lambda m: f"rank {rank}: {m}")
         for k, v in plain[2].items():
-            assert torch.equal(v, fp8[2][k]), (rank, k)
+            torch.testing.assert_close(fp8[2][k], v, msg=lambda m: f"rank {rank} {k}: {m}")
         dtypes = {d for _, d in fp8[3]}
         assert dtypes == {torch.uint8, torch.bfloat16}, dtypes
         assert fp8[4] > 0 and plain[4] == 0
