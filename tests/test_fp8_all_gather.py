@@ -18,13 +18,12 @@ import os
 
 import pytest
 import torch
-import torch.nn as nn
 from hypothesis import given, settings, strategies as st
 
 from minipar import Mesh, MixedPrecision, ShardedModule
 from minipar.fp8 import Float8Config, apply_fp8, check_fp8
 from minipar.fp8.gather import Fp8Gather, all_gather_bytes
-from minipar.fp8.quantize import dequantise, quantise
+from minipar.fp8.quantize import dequantise, quantise, scale_from_amax
 from minipar.models import GPT, GPTConfig
 
 from helpers import EPS, LR, WD, train_rows
@@ -52,7 +51,6 @@ def _simulate(weights: list[torch.Tensor], scaling: str, world: int) -> list[tor
     gathers = [Fp8Gather(spec, scaling, r * size, size) for r in range(world)]
     shards = [flat[r * size:(r + 1) * size] for r in range(world)]
     amax = torch.stack([g.local_amax(s) for g, s in zip(gathers, shards)]).amax(0)
-    from minipar.fp8.quantize import scale_from_amax
     scale = scale_from_amax(amax, "e4m3", True)
     data = torch.cat([g.quantise_shard(s, scale) for g, s in zip(gathers, shards)])
     full = torch.empty_like(flat)
