@@ -43,7 +43,7 @@ from .pipeline.step import PipelineConfig
 from .data_parallel.layout_check import check_data_parallel
 from .data_parallel.precision import FP32
 from .config import build_strategy, resolve_configs
-from .data_parallel.strategy import DataParallelConfig
+from .data_parallel.strategy import DataParallelConfig, strategy_entry
 from .core.syncs import to_device
 from .step import OneStage
 from .tensor_parallel.model_plan import plan_for
@@ -101,7 +101,7 @@ class ShardedModule(nn.Module):
         check_data_parallel(module, mesh, dp_config, recomputed)
         policy = dp_config.mixed_precision or FP32
         if policy.fp8 is not None:  # whole weights here; apply_fp8 checks their tp shards below
-            check_fp8(module, policy.fp8)
+            check_fp8(module, policy.fp8, zero3="params" in strategy_entry(dp_config.strategy).shards)
         experts = check_experts(module, mesh)
         plan = plan_for(module, mesh.tp, tp_config) if mesh.tp > 1 else None
         if plan is not None:

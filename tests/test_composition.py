@@ -1,7 +1,8 @@
 """The composition matrix: every valid layout, proven equal to the single-process run.
 
-A layout picks one value per option: the data-parallel strategy, tp, sequence parallelism, pp and
-its schedule (GPipe, 1F1B, interleaved 1F1B, ZB-H1, ZB-V), mixture of experts (dense, MoE, MoE over
+A layout picks one value per option: the data-parallel strategy, tp, sequence parallelism (with or
+without async tp's collective matmul), pp and
+its schedule (GPipe, 1F1B, interleaved 1F1B, ZB-H1, ZB-V, DualPipeV), mixture of experts (dense, MoE, MoE over
 ep=2, DeepSeekMoE over ep=2 where dp allows), HSDP (dp_shard = dp / 2), the
 precision (fp32, bf16, fp8), activation checkpointing, context parallelism (cp 2 or 4, ring or Ulysses) and the model
 (minipar's GPT, or its Llama-style form: rotary positions, RMSNorm, SwiGLU), on 4 or 8
@@ -63,9 +64,9 @@ OPTIONS = {
     "world": (4, 8),
     "strategy": ("ddp", "zero1", "zero2", "zero3"),
     "tp": (1, 2),
-    "sp": (False, True),
+    "sp": (False, True, "async"),  # "async": TensorParallelConfig(async_comm=True), collective matmul
     "pp": (1, 2),
-    "schedule": (None, "1f1b", "gpipe", "interleaved_1f1b", "zb_h1", "zb_v"),
+    "schedule": (None, "1f1b", "gpipe", "interleaved_1f1b", "zb_h1", "zb_v", "dualpipe_v"),
     "moe": ("dense", "moe", "moe_ep2", "deepseek"),
     "hsdp": (False, True),
     "precision": ("fp32", "bf16", "fp8"),
@@ -114,7 +115,7 @@ def pairwise_sample(layouts: list[dict]) -> list[dict]:
 
 
 def _name(c: dict) -> str:
-    parts = [f"w{c['world']}", c["strategy"], f"tp{c['tp']}" + ("sp" if c["sp"] else ""), f"pp{c['pp']}"]
+    parts = [f"w{c['world']}", c["strategy"], f"tp{c['tp']}" + {False: "", True: "sp", "async": "spasync"}[c["sp"]], f"pp{c['pp']}"]
     parts += [c["schedule"]] if c["schedule"] else []
     parts += [c["moe"] + ("_ep2" if c["moe"] == "deepseek" and _sizes(c)[0]["ep"] == 2 else "")] \
         if c["moe"] != "dense" else []
@@ -133,7 +134,7 @@ MATRIX = ALL if os.environ.get("HYPOTHESIS_PROFILE") == "long" else SAMPLE
 
 def _model_cfg(c: dict, dp: int, m: int) -> tuple[str, dict]:
     """("gpt" | "moe" | "deepseek", the config's fields)."""
-    chunks = 2 if c["schedule"] in ("interleaved_1f1b", "zb_v") else 1  # pieces per rank: a block each
+    chunks = 2 if c["schedule"] in ("interleaved_1f1b", "zb_v", "dualpipe_v") else 1  # pieces per rank: a block each
     cfg = dict(vocab_size=16, block_size=8, n_layer=2 * chunks, n_head=2, n_embd=8, tie_weights=True, dropout=0.0,
                seed=11)
     if c["model"] == "llama":
@@ -173,7 +174,8 @@ def _options(c: dict, m: int) -> dict:
     """The layout as ShardedModule's config objects (the other test modules use the flat keywords)."""
     strategy = DataParallelConfig(c["strategy"], bucket_cap_mb=1e-3, mixed_precision=_policy(c))
     pipeline = PipelineConfig(schedule=c["schedule"], microbatches=m) if c["pp"] > 1 else None
-    return dict(strategy=strategy, tensor_parallel=TensorParallelConfig(sequence_parallel=c["sp"]),
+    return dict(strategy=strategy, tensor_parallel=TensorParallelConfig(sequence_parallel=bool(c["sp"]),
+                                                                             async_comm=c["sp"] == "async"),
                 pipeline=pipeline, activation_checkpointing=c["recompute"], context_parallel=c["cp_form"])
 
 
