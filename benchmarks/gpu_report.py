@@ -6,7 +6,7 @@ Each part is a list of steps, each a subprocess with its own time limit (one tha
 recorded and the rest still run; a part's limits add up to ten minutes at most):
 
   kernels  the Triton kernels' tests compiled on the GPU; ``kernels.py``: time, GB/s, against eager and compile.
-  train    ``gpt_1gpu.py``: the GPT (350M) in bf16 beside PyTorch's recipe, and three steps of each under
+  train    ``gpt_1gpu.py``: the GPT (350M) in bf16 (and FP8) beside PyTorch's recipe, and three steps of each under
            ``torch.profiler`` (traces in OUT/profile); the main job on a world of one in bf16, reference-checked.
   tests    the main job's reference check per strategy: world 1 over NCCL (fp32 and bf16), and tp=2, pp=2,
            cp=2 and each strategy as two gloo processes sharing the GPU.
@@ -92,7 +92,7 @@ def gpu_steps(out: pathlib.Path) -> list[Step]:
         pytest("kernel tests compiled on the GPU", "kernels", out, "kernel_tests.xml", ("-m", "triton", *tests), 360,
                150, {"MINIPAR_TEST_DEVICE": "cuda"}),
         bench("GPT 350M on one GPU: minipar beside PyTorch", "train", out, "gpt_1gpu.py", "gpt_1gpu.json",
-              ("--model", "gpt2-medium", "--modes", "minipar,torch,compile,minipar_compile"), 330, 240),
+              ("--model", "gpt2-medium", "--modes", "minipar,minipar_fp8,torch,compile,minipar_compile"), 330, 280),
         bench("profile: 3 steps of minipar and of the eager recipe", "train", out, "gpt_1gpu.py", "gpt_1gpu_profile.json",
               ("--model", "gpt2-medium", "--modes", "minipar,torch", "--warmup", "3", "--profile", str(out / "profile")),
               120, 60),
@@ -217,7 +217,8 @@ def summary(row: dict) -> str:
     if "rows" in fig:  # gpt_1gpu
         return "; ".join(f"{r['mode']} " + (f"failed ({r['error']})" if "error" in r else
                          f"{r['tokens_per_s']:,.0f} tok/s" + (f", MFU {r['mfu']:.1%}" if r.get("mfu") else "")
-                         + f", {r['would_wait']} syncs/step") for r in fig["rows"]) + f"; flash: {fig.get('flash_attention')}"
+                         + f", {r['would_wait']} syncs/step") for r in fig["rows"]) + f"; flash: {fig.get('flash_attention')}" + (
+                             f"; fp8/bf16 {fig['fp8_vs_bf16']:.2f}" if "fp8_vs_bf16" in fig else "")
     if "kernels" in fig:  # kernels.py
         met = sum(not k["goal_missed"] for k in fig["kernels"])
         return f"copy {fig['copy_gb_per_s']:,.0f} GB/s; goal met by {met} of {len(fig['kernels'])} kernels"

@@ -120,6 +120,13 @@ def cases(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, co
                     lambda t: torch.zeros(n, d, device=device, dtype=dtype).index_add_(0, index, t), y,
                     backward=False))
     out.append(grouped_mm_case(n, d, device, dtype, gen, trio))
+    # FP8 operand quantisation (issue 33): amax of each 1 x 128 tile, scale, cast; read x, write e4m3 bytes
+    # and one fp32 scale a tile. Eager is the same arithmetic in torch ops (the kernel's PyTorch path).
+    from minipar.kernels.fp8_cast import _fp8_cast_torch
+    if hasattr(torch, "float8_e4m3fn"):
+        out.append(trio(f"fp8_cast 1x128 tiles ({n}x{d})", n * d * (s + 1) + n * -(-d // 128) * 4,
+                        lambda t: kernels.fp8_cast(t, torch.float8_e4m3fn, 128),
+                        lambda t: _fp8_cast_torch(t, torch.float8_e4m3fn, 128, True), x, backward=False))
     # gradient unscale-and-cast with the inf/nan flag: read fp32, write the low-precision copy
     m = args.shard
     g32 = torch.randn(m, device=device, generator=gen)
