@@ -65,3 +65,15 @@ def reference_steps(model, steps: int, step_loss, max_norm: float, eps: float = 
         opt.zero_grad()
         losses.append(loss.item())
     return losses, norms
+
+
+class LoggedWork:
+    """A communication handle whose ``wait`` appends ``event`` to ``log`` (then waits): the overlap tests
+    (ring attention, async tp, DualPipeV) record launches, computes and waits in call order with it."""
+
+    def __init__(self, work, log: list, event: tuple) -> None:
+        self._work, self._log, self._event = work, log, event
+
+    def wait(self, *args):
+        self._log.append(self._event)
+        return self._work.wait(*args)

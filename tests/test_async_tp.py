@@ -34,7 +34,7 @@ from minipar.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, Te
                                      parallelize, vocab_parallel_cross_entropy)
 
 from conftest import ci_examples
-from helpers import EPS, LR, WD, train_rows
+from helpers import EPS, LR, WD, LoggedWork, train_rows
 from test_tensor_parallel import _full, _train_reference
 
 TIMEOUT = 180  # seconds per multi-rank call: the machine is shared and sometimes heavily loaded
@@ -219,17 +219,6 @@ def test_the_front_door_runs_async_tp(pools):
 # -- the order of launches, computes and waits ---------------------------------------
 
 
-class _LoggedWork:
-    """A p2p handle whose ``wait`` appends its event to the log (then waits)."""
-
-    def __init__(self, work, log: list, event: tuple) -> None:
-        self._work, self._log, self._event = work, log, event
-
-    def wait(self, *args):
-        self._log.append(self._event)
-        return self._work.wait(*args)
-
-
 def _rank_event_logs(ctx, serialise: bool):
     """Each layer's forward and backward with the ring's sends / receives, their waits and the chunk
     matmuls logged in call order: {(layer, phase): [("launch" | "wait", hop, op) | ("compute", step)]}.
@@ -244,7 +233,7 @@ def _rank_event_logs(ctx, serialise: bool):
             hop = issued.get(op, 0)
             issued[op] = hop + 1
             log.append(("launch", hop, op))
-            return _LoggedWork(call(tensor, peer, grp, async_op=async_op, tag=tag), log, ("wait", hop, op))
+            return LoggedWork(call(tensor, peer, grp, async_op=async_op, tag=tag), log, ("wait", hop, op))
         return p2p
 
     def logged_matmul(x_chunk, weight, bias, step):

@@ -33,7 +33,7 @@ from minipar.pipeline import executor as executor_module
 from minipar.pipeline.dualpipe import dualpipe_v, without_overlap
 from minipar.pipeline.schedule import SCHEDULES, holder, one_f_one_b, virtual_stage, zb_v
 
-from helpers import LR, WD
+from helpers import LR, WD, LoggedWork
 from test_moe import EPS as MOE_EPS, _train_gpt  # the MoE tests' larger eps: see there
 from test_pipeline import LAYOUTS, _assert_equal_to_reference, _reference, _report, _train
 from test_pipeline_schedules_run import _case, _train_schedule
@@ -264,17 +264,6 @@ def test_moe_gpt_equals_single_process(pools, world, sizes):
 
 # -- runs: each pair's transfers overlap the other half's compute -----------------------------------
 
-class _LoggedWork:
-    """A p2p handle whose ``wait`` appends its event to the log (then waits)."""
-
-    def __init__(self, work, log: list, event: tuple) -> None:
-        self._work, self._log, self._event = work, log, event
-
-    def wait(self, *args):
-        self._log.append(self._event)
-        return self._work.wait(*args)
-
-
 class _Waited:
     """The handle of a transfer already waited for."""
 
@@ -307,7 +296,7 @@ def _logged_step(ctx, m: int, serialise: bool):
                 work.wait()
                 log.append(("wait", op, tag, n))
                 return _Waited()  # (a gloo p2p handle must not be waited twice: its second wait blocks)
-            return _LoggedWork(work, log, ("wait", op, tag, n))
+            return LoggedWork(work, log, ("wait", op, tag, n))
         return p2p
 
     stage, forward, backward_input = model.module, model.module.forward, executor_module.backward_input

@@ -29,6 +29,8 @@ from minipar.core.mesh import Mesh
 from minipar.context_parallel.ring_attention import (block_attention, contiguous_positions, ring_attention, score_elements,
                                     ulysses_attention, zigzag_positions)
 
+from helpers import LoggedWork
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TIMEOUT = 180  # seconds per multi-rank call: the machine is shared and sometimes heavily loaded
 
@@ -405,17 +407,6 @@ def _accumulator_violations(log: list[tuple], cp: int, tag: str = "cp_kv_grad") 
     return bad
 
 
-class _LoggedWork:
-    """A p2p handle whose ``wait`` appends its event to the log (then waits)."""
-
-    def __init__(self, work, log: list, event: tuple) -> None:
-        self._work, self._log, self._event = work, log, event
-
-    def wait(self, *args):
-        self._log.append(self._event)
-        return self._work.wait(*args)
-
-
 def _rank_ring_event_logs(ctx, cp_seq: int, serialise: bool):
     """Ring attention forward and backward with the p2p calls, their waits and the block kernels logged:
     (forward log, backward log). ``serialise``: `_ring_pass` waits its transfers before returning (what
@@ -436,7 +427,7 @@ def _rank_ring_event_logs(ctx, cp_seq: int, serialise: bool):
             hop = issued.get((op, tag), 0)
             issued[(op, tag)] = hop + 1
             log.append(("launch", tag, hop, op))
-            return _LoggedWork(call(tensor, peer, grp, async_op=async_op, tag=tag), log, ("wait", tag, hop, op))
+            return LoggedWork(call(tensor, peer, grp, async_op=async_op, tag=tag), log, ("wait", tag, hop, op))
         return p2p
 
     def logged_kernel(name: str, kernel, k_pos_at: int):
