@@ -36,7 +36,7 @@ from minipar.pipeline.schedule import SCHEDULES, holder, one_f_one_b, virtual_st
 from helpers import LR, WD, LoggedWork
 from test_moe import EPS as MOE_EPS, _train_gpt  # the MoE tests' larger eps: see there
 from test_pipeline import LAYOUTS, _assert_equal_to_reference, _reference, _report, _train
-from test_pipeline_schedules_run import _case, _train_schedule
+from test_pipeline_schedules_run import _case, train_against_reference
 
 
 def _pairs(actions: list[Action]) -> list[tuple[int, Action, Action]]:
@@ -185,16 +185,8 @@ def test_dense_gpt_equals_single_process(pools, case):
     and the parameters after three clipped AdamW steps equal the reference (the default tolerance of
     `torch.testing.assert_close` for float32: the pieces sum the micro-batches' gradients in another
     order than one backward does); each rank held what `simulate` counts for dualpipe_v."""
-    world, mesh_sizes = LAYOUTS[case["layout"]]
-    options, dp, p = case["options"], mesh_sizes.get("dp", 1), mesh_sizes["pp"]
-    seed, m = case["seed"], options["microbatches"]
-    cfg = dict(vocab_size=24, block_size=4, n_layer=case["n_layer"], n_head=2, n_embd=8, tie_weights=case["tie"],
-               seed=seed)
-    data = torch.randint(0, 24, (3, dp * m, 5), generator=torch.Generator().manual_seed(seed + 1))
-    ref = _reference(cfg, list(data), 0.05)
-    assert max(ref[1]) > 0.05, "clipping must fire for the norm to matter"
-    results = pools.run(world, _train_schedule, mesh_sizes, cfg, data, options, 0.05)
-    _assert_equal_to_reference(results, ref)
+    results = train_against_reference(pools, case)
+    p, m = LAYOUTS[case["layout"]][1]["pp"], case["options"]["microbatches"]
     expected = simulate(dualpipe_v(p, m))["peak_live"]
     for r in results:
         assert max(r["peaks"]) == expected[r["pp_rank"]] == 2 * p + 1, (r["pp_rank"], r["peaks"], expected)

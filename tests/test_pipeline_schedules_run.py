@@ -172,6 +172,22 @@ def _case(schedule, layout, m, strategy="ddp", v=None, tie=True, seed=0, extra=1
     return dict(layout=layout, options=options, n_layer=p * chunks_per_rank(schedule, v) + extra, tie=tie, seed=seed)
 
 
+def train_against_reference(pools, case: dict) -> list[dict]:
+    """Train ``case`` (`_case`) on its layout and assert losses, the clipped norm, gradients and parameters
+    equal the single-process reference's (clipping fires); returns every rank's results."""
+    world, mesh_sizes = LAYOUTS[case["layout"]]
+    options, dp = case["options"], mesh_sizes.get("dp", 1)
+    seed, m = case["seed"], options["microbatches"]
+    cfg = dict(vocab_size=24, block_size=4, n_layer=case["n_layer"], n_head=2, n_embd=8, tie_weights=case["tie"],
+               seed=seed)
+    data = torch.randint(0, 24, (3, dp * m, 5), generator=torch.Generator().manual_seed(seed + 1))
+    ref = _reference(cfg, list(data), 0.05)
+    assert max(ref[1]) > 0.05, "clipping must fire for the norm to matter"
+    results = pools.run(world, _train_schedule, mesh_sizes, cfg, data, options, 0.05)
+    _assert_equal_to_reference(results, ref)
+    return results
+
+
 # Every schedule at pp 2 and 4, with each data-parallel strategy, tp (+ sequence parallelism) and
 # recomputation at least once, m from p to 4p: in every run, before the drawn examples. The last
 # three put every schedule with every strategy (on dp=2, where the strategies differ) into every run.
@@ -198,16 +214,8 @@ def test_schedule_equals_single_process(pools, case):
     step and the parameters after three clipped AdamW steps equal the reference; the tied copies
     (where the first and the last piece are on different ranks) stay bitwise identical; each rank
     held exactly the activations `simulate` counts for its schedule."""
-    world, mesh_sizes = LAYOUTS[case["layout"]]
-    options, dp, p = case["options"], mesh_sizes.get("dp", 1), mesh_sizes["pp"]
-    seed, m = case["seed"], options["microbatches"]
-    cfg = dict(vocab_size=24, block_size=4, n_layer=case["n_layer"], n_head=2, n_embd=8, tie_weights=case["tie"],
-               seed=seed)
-    data = torch.randint(0, 24, (3, dp * m, 5), generator=torch.Generator().manual_seed(seed + 1))
-    ref = _reference(cfg, list(data), 0.05)
-    assert max(ref[1]) > 0.05, "clipping must fire for the norm to matter"
-    results = pools.run(world, _train_schedule, mesh_sizes, cfg, data, options, 0.05)
-    _assert_equal_to_reference(results, ref)
+    results = train_against_reference(pools, case)
+    options, p, m = case["options"], LAYOUTS[case["layout"]][1]["pp"], case["options"]["microbatches"]
     if options["schedule"] != "zb_v":  # under ZB-V rank 0 holds both ends: one shared Parameter
         _assert_tied_copies_identical(results, case["tie"])
     chunks = chunks_per_rank(options["schedule"], options.get("virtual_stages"))
