@@ -87,8 +87,8 @@ def valid(c: dict) -> bool:
             and (not c["sp"] or c["tp"] > 1)              # sequence parallelism splits over tp
             and (c["moe"] != "moe_ep2" or dp % 2 == 0)    # ep = 2 splits dp
             and (not c["hsdp"] or (dp % 2 == 0 and c["strategy"] != "ddp"))  # DDP shards nothing
-            # DDP computes in the params' dtype: it takes no MixedPrecision, so neither bf16 nor FP8
-            and (c["precision"] == "fp32" or c["strategy"] != "ddp"))
+            # DDP computes in the params' dtype: no bf16; FP8 over fp32 params it takes (only the matmuls change)
+            and (c["precision"] != "bf16" or c["strategy"] != "ddp"))
 
 
 def all_layouts() -> list[dict]:

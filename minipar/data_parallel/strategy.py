@@ -115,6 +115,14 @@ _OPTION_FIELDS = {"bucket_cap_mb": 25.0, "mixed_precision": None, "offload": Non
 _REFUSED = ("mixed_precision", "offload", "wrap_policy")
 
 
+def _fp8_only(policy: Any) -> bool:
+    """A policy that keeps parameters and gradients in fp32 and only runs the linear layers' matmuls in
+    FP8: the front door converts those layers (`minipar.fp8.apply_fp8`), and the strategy keeps and
+    reduces what it always does, so every strategy takes it, DDP included."""
+    return (isinstance(policy, MixedPrecision) and policy.fp8 is not None
+            and policy.param_dtype == torch.float32 and policy.grad_dtype == torch.float32)
+
+
 @dataclass(frozen=True)
 class DataParallelConfig:
     """The data-parallel strategy and its options, checked together.
@@ -165,7 +173,8 @@ class DataParallelConfig:
             raise ValueError(f"Offload(params={self.offload.params!r}) offloads zero3's parameter shards; "
                              f"{self.strategy} keeps the full parameters on every rank: use strategy='zero3', or "
                              "offload only the optimizer (Offload(optimizer=...))")
-        given = [k for k in _REFUSED if getattr(self, k) != _OPTION_FIELDS[k] and k not in entry.options]
+        given = [k for k in _REFUSED if getattr(self, k) != _OPTION_FIELDS[k] and k not in entry.options
+                 and not (k == "mixed_precision" and _fp8_only(self.mixed_precision))]
         if given:
             takers = sorted({e.name for e in _REGISTRY.values() if set(given) <= e.options})
             raise ValueError(f"{', '.join(given)} {'do' if len(given) > 1 else 'does'} not apply to "
