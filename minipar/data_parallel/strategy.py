@@ -130,7 +130,7 @@ class DataParallelConfig:
     strategy: one of `STRATEGIES`; bucket_cap_mb: gradient bucket size of DDP, ZeRO-1 and ZeRO-2
     (MiB, > 0); mixed_precision, offload (`minipar.Offload`; cpu_offload=True is
     Offload(optimizer="cpu")): the ZeRO stages' (DDP computes in the parameters' own
-    dtype: ZeRO-1 is DDP with fp32 masters); wrap_policy: how zero3 cuts units
+    dtype: ZeRO-1 is DDP with fp32 masters; DDP takes only an FP8 policy over fp32, `_fp8_only`); wrap_policy: how zero3 cuts units
     (`minipar.core.units.select_units`); reshard_after_forward: zero3 frees a unit after its forward
     (default: yes without a pipeline, no under one); unit_check: zero3's ranks exchange, before each
     unit's gathers and reduce-scatters, what they are about to do (`minipar.data_parallel.unit_turns`), so
