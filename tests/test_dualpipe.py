@@ -27,14 +27,15 @@ import torch
 from hypothesis import given, strategies as st
 
 from minipar import Mesh, ShardedModule
-from minipar.models import GPT, GPTConfig, MoEGPT, MoEGPTConfig, gpt_loss
+from minipar.models import GPT, GPTConfig
 from minipar.pipeline import Action, Schedule, simulate
 from minipar.pipeline import executor as executor_module
 from minipar.pipeline.dualpipe import dualpipe_v, without_overlap
 from minipar.pipeline.schedule import SCHEDULES, holder, one_f_one_b, virtual_stage, zb_v
 
-from helpers import LR, WD, LoggedWork
-from test_moe import EPS as MOE_EPS, _train_gpt  # the MoE tests' larger eps: see there
+from helpers import LoggedWork
+from test_faults import two_steps_said
+from test_moe import _train_gpt, moe_gpt_reference  # the MoE tests' reference (and its larger eps)
 from test_pipeline import LAYOUTS, _assert_equal_to_reference, _reference, _report, _train
 from test_pipeline_schedules_run import _case, train_against_reference
 
@@ -231,20 +232,7 @@ def test_moe_gpt_equals_single_process(pools, world, sizes):
     cfg = dict(vocab_size=16, block_size=6, n_layer=4, n_head=2, n_embd=8, n_experts=4, top_k=2,
                capacity_factor=1.0, aux_loss_coef=0.1, z_loss_coef=0.01, seed=5)
     data = torch.randint(0, 16, (3, dp * 2 * m, 7), generator=torch.Generator().manual_seed(6))
-    ref = MoEGPT(MoEGPTConfig(**cfg, route_groups=dp * m))
-    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD, eps=MOE_EPS)
-    ref_losses, ref_norms, dropped = [], [], 0
-    for s in range(3):
-        x = data[s]
-        logits = ref(x[:, :-1])
-        dropped += ref.moe_stats()["dropped"]
-        lm = torch.stack([gpt_loss(lg, y) for lg, y in zip(logits.chunk(dp * m), x[:, 1:].chunk(dp * m))]).mean()
-        lm.backward()
-        ref_norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05).item())
-        opt.step()
-        opt.zero_grad()
-        ref_losses.append(lm.item())
-    assert dropped > 0 and min(ref_norms) > 0.05  # tokens dropped, and clipping fires every step
+    ref, ref_losses, ref_norms, _ = moe_gpt_reference(cfg, data, dp * m)
     results = pools.run(world, _train_gpt, sizes, cfg, data, m, dict(schedule="dualpipe_v"))
     for rank, (losses, norms, state, _) in enumerate(results):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), msg=lambda s: f"rank {rank}: {s}")
@@ -376,10 +364,6 @@ def _fails_in_a_pair(ctx):
     """dp=2 beside pp=2 (the failed step's messages stay in this mesh's groups); m=4: rank 0's seventh
     forward, F2c1, raises: it is the forward of a pair whose gradient receive (IRECV_GRAD0) is already
     posted. Returns what each of two steps said, with its time, and the world's health after."""
-    import time
-
-    import torch.distributed as dist
-
     mesh = Mesh(pp=2, dp=2, timeout=FAULT_TIMEOUT_S)
     cfg = GPTConfig(vocab_size=16, block_size=8, n_layer=4, n_head=2, n_embd=8, seed=3)
     model = ShardedModule(GPT(cfg), mesh=mesh, schedule="dualpipe_v", microbatches=4)
@@ -391,18 +375,7 @@ def _fails_in_a_pair(ctx):
             raise RuntimeError("injected: F2c1 fails")
     model.module.register_forward_hook(fail)
     x = torch.randint(0, 16, (4, 9), generator=torch.Generator().manual_seed(0))
-    said = []
-    for _ in range(2):  # the failing step, then a step the same model refuses
-        start = time.perf_counter()
-        try:
-            model.train_step(x[:, :-1], x[:, 1:], model.cross_entropy)
-            said.append(("trained", 0.0))
-        except Exception as e:
-            said.append((f"{type(e).__name__}: {e}", time.perf_counter() - start))
-    mesh.destroy()
-    ones = torch.ones(1)
-    dist.all_reduce(ones)
-    return said, mesh.pp_rank, ones.item()
+    return two_steps_said(model, mesh, x, model.cross_entropy)
 
 
 def test_a_stage_failing_inside_a_pair_stops_every_stage_at_once(pools):

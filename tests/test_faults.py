@@ -278,8 +278,6 @@ STAGE_FAULT_TIMEOUT_S = 60  # the mesh's: every stage must raise well before it
 
 
 def _pipeline_stage_fails(ctx, case: str):
-    import time
-
     sizes, options, n_layer, what = STAGE_FAULTS[case]
     mesh = Mesh(**sizes, timeout=STAGE_FAULT_TIMEOUT_S)
     model = ShardedModule(GPT(GPTConfig(**{**CFG, "n_layer": n_layer})), mesh=mesh, **options)
@@ -294,9 +292,16 @@ def _pipeline_stage_fails(ctx, case: str):
             if len(calls) == 2:
                 raise RuntimeError("injected: the first stage's second forward fails")
         model.module.register_forward_hook(fail)
-    x = _data(1, rows=4)[0]
+    return two_steps_said(model, mesh, _data(1, rows=4)[0], loss_fn)
+
+
+def two_steps_said(model, mesh, x, loss_fn):
+    """Run the failing step, then a step the same model must refuse; return what each said with its
+    seconds, this rank's stage, and the world's health after the mesh is gone (an all-reduce of ones)."""
+    import time
+
     said = []
-    for _ in range(2):  # the failing step, then a step the same model refuses
+    for _ in range(2):
         start = time.perf_counter()
         try:
             model.train_step(x[:, :-1], x[:, 1:], loss_fn)

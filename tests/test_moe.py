@@ -289,6 +289,30 @@ GPT_LAYOUTS = {
 }
 
 
+def moe_gpt_reference(cfg: dict, data: torch.Tensor, groups: int, seq_chunks: int = 1):
+    """The single-process MoE GPT on the global batch ``data`` (steps, rows, seq + 1), routing each of
+    ``groups`` shares (dp ranks x micro-batches; x ``seq_chunks`` sequence slices) as its own group:
+    three clipped AdamW steps. Returns (model, losses, norms, the last step's dropped count) after
+    asserting that tokens were dropped and clipping fired every step (else the test proves less)."""
+    ref = MoEGPT(MoEGPTConfig(**cfg, route_groups=groups, route_seq_chunks=seq_chunks))
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD, eps=EPS)
+    ref_losses, ref_norms, dropped = [], [], 0
+    for s in range(data.shape[0]):
+        x = data[s]
+        logits = ref(x[:, :-1])
+        last_dropped = ref.moe_stats()["dropped"]
+        dropped += last_dropped
+        # Each rank's loss is its own mean (over its micro-batches' means); the global loss their mean.
+        lm = torch.stack([gpt_loss(lg, y) for lg, y in zip(logits.chunk(groups), x[:, 1:].chunk(groups))]).mean()
+        lm.backward()
+        ref_norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05).item())
+        opt.step()
+        opt.zero_grad()
+        ref_losses.append(lm.item())
+    assert dropped > 0 and min(ref_norms) > 0.05  # tokens dropped, and clipping fires every step
+    return ref, ref_losses, ref_norms, last_dropped
+
+
 @pytest.mark.parametrize("name", list(GPT_LAYOUTS))
 def test_moe_gpt_equals_single_process(pools, name):
     """The MoE GPT (top-2, capacity factor 1.0: some tokens dropped) trained three steps under
@@ -302,22 +326,7 @@ def test_moe_gpt_equals_single_process(pools, name):
     cfg = dict(vocab_size=16, block_size=6, n_layer=2, n_head=2, n_embd=8, n_experts=4, top_k=2,
                capacity_factor=1.0, aux_loss_coef=0.1, z_loss_coef=0.01, seed=3, **model_options)
     data = torch.randint(0, 16, (3, dp * 2 * m, 7), generator=torch.Generator().manual_seed(4))
-    ref = MoEGPT(MoEGPTConfig(**cfg, route_groups=dp * m, route_seq_chunks=seq_chunks))
-    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD, eps=EPS)
-    ref_losses, ref_norms, dropped = [], [], 0
-    for s in range(3):
-        x = data[s]
-        logits = ref(x[:, :-1])
-        last_dropped = ref.moe_stats()["dropped"]
-        dropped += last_dropped
-        # Each rank's loss is its own mean (over its micro-batches' means); the global loss their mean.
-        lm = torch.stack([gpt_loss(lg, y) for lg, y in zip(logits.chunk(dp * m), x[:, 1:].chunk(dp * m))]).mean()
-        lm.backward()
-        ref_norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05).item())
-        opt.step()
-        opt.zero_grad()
-        ref_losses.append(lm.item())
-    assert dropped > 0 and min(ref_norms) > 0.05  # tokens dropped, and clipping fires every step
+    ref, ref_losses, ref_norms, last_dropped = moe_gpt_reference(cfg, data, dp * m, seq_chunks)
     for rank, (losses, norms, state, stats) in enumerate(pools.run(world, _train_gpt, sizes, cfg, data, m, options)):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), msg=lambda s: f"rank {rank}: {s}")
         torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), msg=lambda s: f"rank {rank}: {s}")
