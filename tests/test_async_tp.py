@@ -245,11 +245,11 @@ def _rank_event_logs(ctx, serialise: bool):
             w.wait()
         return []
 
-    matmul, ring_pass = cm._chunk_matmul, cm._ring_pass
+    matmul, ring_pass = cm._chunk_matmul, cm.ring_pass
     comm.send, comm.recv = logged_p2p("send", comm.send), logged_p2p("recv", comm.recv)  # this Comm only
     cm._chunk_matmul = logged_matmul
     if serialise:
-        cm._ring_pass = serialised_pass
+        cm.ring_pass = serialised_pass
     logs = {}
     try:
         for name, cls in (("col", ColumnParallelLinear), ("row", RowParallelLinear)):
@@ -265,7 +265,7 @@ def _rank_event_logs(ctx, serialise: bool):
             log.clear()
             issued.clear()
     finally:
-        cm._chunk_matmul, cm._ring_pass = matmul, ring_pass
+        cm._chunk_matmul, cm.ring_pass = matmul, ring_pass
         mesh.destroy()
     return logs
 

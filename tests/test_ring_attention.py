@@ -409,7 +409,7 @@ def _accumulator_violations(log: list[tuple], cp: int, tag: str = "cp_kv_grad") 
 
 def _rank_ring_event_logs(ctx, cp_seq: int, serialise: bool):
     """Ring attention forward and backward with the p2p calls, their waits and the block kernels logged:
-    (forward log, backward log). ``serialise``: `_ring_pass` waits its transfers before returning (what
+    (forward log, backward log). ``serialise``: `ring_pass` waits its transfers before returning (what
     a ring without overlap does), to show the logs and checks can see the difference."""
     mesh = Mesh()
     comm, group = mesh.comm, mesh.world
@@ -441,12 +441,12 @@ def _rank_ring_event_logs(ctx, cp_seq: int, serialise: bool):
             w.wait()
         return []
 
-    attend, attend_backward, ring_pass = ra._attend, ra._attend_backward, ra._ring_pass
+    attend, attend_backward, ring_pass = ra._attend, ra._attend_backward, ra.ring_pass
     comm.send, comm.recv = logged_p2p("send", comm.send), logged_p2p("recv", comm.recv)  # this Comm only
     ra._attend = logged_kernel("attend", attend, 4)  # (q, k, v, q_pos, k_pos, scale, masked)
     ra._attend_backward = logged_kernel("attend_backward", attend_backward, 7)  # (q, k, v, do, lse, Δ, q_pos, k_pos,...
     if serialise:
-        ra._ring_pass = serialised_pass
+        ra.ring_pass = serialised_pass
     try:
         q, k, v, dout = (_gen(3, slot, (1, 2, cp_seq, 4)).index_select(2, zigzag_positions(cp_seq, C, r))
                          for slot in range(4))
@@ -458,7 +458,7 @@ def _rank_ring_event_logs(ctx, cp_seq: int, serialise: bool):
         out.backward(dout)
         return fwd, list(log)
     finally:
-        ra._attend, ra._attend_backward, ra._ring_pass = attend, attend_backward, ring_pass
+        ra._attend, ra._attend_backward, ra.ring_pass = attend, attend_backward, ring_pass
         mesh.destroy()
 
 

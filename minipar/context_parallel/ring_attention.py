@@ -42,7 +42,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..core.comm import AxisGroup, Comm
+from ..core.comm import AxisGroup, Comm, ring_pass
 from ..core.regions import heads_to_seq, seq_to_heads
 
 
@@ -174,7 +174,7 @@ class _RingAttention(torch.autograd.Function):
             src = (r - step) % C  # whose K/V we hold now
             if step < C - 1:  # launch the next block's transfer before computing on this one (overlap)
                 kv_next = torch.empty_like(kv)
-                works = _ring_pass(comm, group, kv, kv_next, "cp_kv")
+                works = ring_pass(comm, group, kv, kv_next, "cp_kv")
             k_pos = _positions(seq_len, C, src, q.device)
             for qs, ks, masked in _visible(q_chunks, _chunks(seq_len, C, src)):
                 o_b, l_b = _attend(qf[:, :, qs], kv[0][:, :, ks].float(), kv[1][:, :, ks].float(),
@@ -208,7 +208,7 @@ class _RingAttention(torch.autograd.Function):
             kv_works = []
             if step < C - 1:  # K/V do not change: send them on before computing (overlap)
                 kv_next = torch.empty_like(kv)
-                kv_works = _ring_pass(comm, group, kv, kv_next, "cp_kv")
+                kv_works = ring_pass(comm, group, kv, kv_next, "cp_kv")
             k_pos = _positions(seq_len, C, src, q.device)
             mine = torch.zeros_like(kv, dtype=torch.float32)  # this rank's part of the block's dK/dV
             for qs, ks, masked in _visible(q_chunks, _chunks(seq_len, C, src)):
@@ -225,7 +225,7 @@ class _RingAttention(torch.autograd.Function):
             dkv = mine.to(kv.dtype)
             if C > 1:
                 dkv_next = torch.empty_like(dkv)
-                incoming = (_ring_pass(comm, group, dkv, dkv_next, "cp_kv_grad"), dkv_next)
+                incoming = (ring_pass(comm, group, dkv, dkv_next, "cp_kv_grad"), dkv_next)
             for w in kv_works:
                 w.wait()
             if step < C - 1:
@@ -235,18 +235,6 @@ class _RingAttention(torch.autograd.Function):
                 w.wait()
             dkv = incoming[1]
         return dq.to(q.dtype), dkv[0], dkv[1], None, None, None, None
-
-
-def _ring_pass(comm: Comm, group: AxisGroup, send: torch.Tensor, recv: torch.Tensor, tag: str) -> list:
-    """One hop: receive from r-1 into ``recv`` and send ``send`` to r+1, both posted before either is
-    waited on, so no rank blocks on a neighbour that is itself blocked. Every rank posts its hops in the
-    same order, so the n-th send from r meets the n-th receive on r+1 (p2p between a pair is ordered).
-    Even ranks post the send first, odd ranks the receive: with C = 2 both go to the one peer, and NCCL
-    runs a pair's operations in posting order, so the two sides must post them in opposite orders."""
-    r, C = group.rank, group.size
-    post_recv = lambda: comm.recv(recv, (r - 1) % C, group, async_op=True, tag=tag)  # noqa: E731
-    post_send = lambda: comm.send(send, (r + 1) % C, group, async_op=True, tag=tag)  # noqa: E731
-    return [post_send(), post_recv()] if r % 2 == 0 else [post_recv(), post_send()]
 
 
 def _chunks(seq_len: int, cp: int, cp_rank: int) -> list[tuple[int, slice]]:

@@ -373,3 +373,16 @@ class Comm:
         if all(len(repr(v)) <= 300 for v in values):
             lines += [f"  rank {r}: {v!r}" for r, v in zip(group.ranks, values)]
         raise ValueError("\n".join(lines))
+
+
+def ring_pass(comm: Comm, group: AxisGroup, send: torch.Tensor, recv: torch.Tensor, tag: str) -> list:
+    """One hop of a ring (ring attention's K/V, async tp's collective matmul): send ``send`` to r+1 and
+    receive from r-1 into ``recv``, both posted before either is waited on (the handles are returned),
+    so no rank blocks on a neighbour that is itself blocked. Every rank posts its hops in the same
+    order, so the n-th send from r meets the n-th receive on r+1 (p2p between a pair is ordered). Even
+    ranks post the send first, odd ranks the receive: with two ranks both go to the one peer, and NCCL
+    runs a pair's operations in posting order, so the two sides must post them in opposite orders."""
+    r, n = group.rank, group.size
+    post_recv = lambda: comm.recv(recv, (r - 1) % n, group, async_op=True, tag=tag)  # noqa: E731
+    post_send = lambda: comm.send(send, (r + 1) % n, group, async_op=True, tag=tag)  # noqa: E731
+    return [post_send(), post_recv()] if r % 2 == 0 else [post_recv(), post_send()]

@@ -5,7 +5,8 @@ Under sequence parallelism (``TensorParallelConfig(sequence_parallel=True, async
 column-parallel layer needs the whole sequence, ``Y = AllGather_seq(X) A^T``, and the row-parallel
 layer sums its partial products and keeps its sequence chunk, ``Y = ReduceScatter_seq(X A^T)``. Both
 are products of the sequence chunk by chunk, so the collective need not finish before the matmul
-starts: n = tp ranks in a ring, rank r sends to r+1 and receives from r-1 (``_ring_pass``).
+starts: n = tp ranks in a ring, rank r sends to r+1 and receives from r-1
+(``minipar.core.comm.ring_pass``, the hop ring attention uses too).
 
 all-gather-matmul (`all_gather_matmul`; X_c: (B, T/n, in), the chunk of rank c; A: (out/n, in)):
 
@@ -40,7 +41,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..core.comm import AxisGroup, Comm
+from ..core.comm import AxisGroup, Comm, ring_pass
 
 SEQ_DIM = 1  # activations are (batch, seq, features)
 
@@ -123,7 +124,7 @@ def _gather_and_multiply(x_shard: torch.Tensor, weight: torch.Tensor, bias, comm
         works = []
         if step < n - 1:  # launch the next chunk's transfer before multiplying this one (overlap)
             held_next = torch.empty_like(held)
-            works = _ring_pass(comm, group, held, held_next, tag)
+            works = ring_pass(comm, group, held, held_next, tag)
         rows = slice(c * m, (c + 1) * m)
         x_full[:, rows] = held
         if compute:
@@ -161,7 +162,7 @@ def _multiply_and_scatter(x: torch.Tensor, weight: torch.Tensor, comm: Comm, gro
         acc = mine.contiguous()
         if step < n - 1:
             received = torch.empty_like(acc)
-            incoming = (_ring_pass(comm, group, acc, received, tag), received)
+            incoming = (ring_pass(comm, group, acc, received, tag), received)
     if overlap_with is not None and extra is None:  # n = 1: nothing was in flight
         extra = overlap_with()
     return acc, extra
@@ -175,15 +176,3 @@ def _chunk_matmul(x_chunk: torch.Tensor, weight: torch.Tensor, bias, step: int) 
 def _weight_grad(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """dA = dY^T X over every row at once: the synchronous layer's one matmul, so the same rounding."""
     return dy.reshape(-1, dy.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
-
-
-def _ring_pass(comm: Comm, group: AxisGroup, send: torch.Tensor, recv: torch.Tensor, tag: str) -> list:
-    """One hop: send ``send`` to r+1 and receive from r-1 into ``recv``, both posted (async, through the
-    counted comm layer) before either is waited on, so no rank blocks on a neighbour that is blocked
-    itself. Every rank posts its hops in the same order, so the k-th send from r meets the k-th receive
-    on r+1. Even ranks post the send first, odd ranks the receive: at tp = 2 both go to the one peer,
-    and NCCL runs a pair's operations in posting order, so the two sides must post them oppositely."""
-    r, n = group.rank, group.size
-    post_send = lambda: comm.send(send, (r + 1) % n, group, async_op=True, tag=tag)  # noqa: E731
-    post_recv = lambda: comm.recv(recv, (r - 1) % n, group, async_op=True, tag=tag)  # noqa: E731
-    return [post_send(), post_recv()] if r % 2 == 0 else [post_recv(), post_send()]
