@@ -32,6 +32,7 @@ import torch
 from einops import rearrange
 
 from .comm import AxisGroup, Comm
+from .interleave import WhileInFlight
 
 
 def _all_gather_dim(x: torch.Tensor, comm: Comm, group: AxisGroup, dim: int, tag: str | None) -> torch.Tensor:
@@ -150,23 +151,34 @@ class _ReduceScatterSequence(torch.autograd.Function):
 
 
 class _AllToAll(torch.autograd.Function):
-    """y = A(x) with rows input_splits[j] sent to rank j;  dx = A^T(dy), the same exchange with splits swapped."""
+    """y = A(x) with rows input_splits[j] sent to rank j;  dx = A^T(dy), the same exchange with splits swapped.
+
+    ``in_flight`` (a `WhileInFlight`, or None): what runs while the exchange is in flight, forward and
+    backward, read when each is launched (DualPipe's pair hands over to its other half there)."""
 
     @staticmethod
-    def forward(ctx, x, comm, group, output_splits, input_splits, tag):
-        ctx.comm, ctx.group, ctx.tag = comm, group, tag
+    def forward(ctx, x, comm, group, output_splits, input_splits, tag, in_flight):
+        ctx.comm, ctx.group, ctx.tag, ctx.in_flight = comm, group, tag, in_flight
         ctx.output_splits, ctx.input_splits = output_splits, input_splits
-        rows = sum(output_splits) if output_splits is not None else x.shape[0]
-        y = x.new_empty((rows,) + tuple(x.shape[1:]))
-        comm.all_to_all(y, x.contiguous(), group, output_splits, input_splits, tag=tag)
-        return y
+        return _exchange_rows(x, comm, group, output_splits, input_splits, tag, in_flight)
 
     @staticmethod
     def backward(ctx, dy):
-        rows = sum(ctx.input_splits) if ctx.input_splits is not None else dy.shape[0]
-        dx = dy.new_empty((rows,) + tuple(dy.shape[1:]))
-        ctx.comm.all_to_all(dx, dy.contiguous(), ctx.group, ctx.input_splits, ctx.output_splits, tag=ctx.tag)
-        return dx, None, None, None, None, None
+        dx = _exchange_rows(dy, ctx.comm, ctx.group, ctx.input_splits, ctx.output_splits, ctx.tag, ctx.in_flight)
+        return dx, None, None, None, None, None, None
+
+
+def _exchange_rows(x: torch.Tensor, comm: Comm, group: AxisGroup, output_splits, input_splits, tag,
+                   in_flight) -> torch.Tensor:
+    rows = sum(output_splits) if output_splits is not None else x.shape[0]
+    y = x.new_empty((rows,) + tuple(x.shape[1:]))
+    if not in_flight:
+        comm.all_to_all(y, x.contiguous(), group, output_splits, input_splits, tag=tag)
+        return y
+    work = comm.all_to_all(y, x.contiguous(), group, output_splits, input_splits, async_op=True, tag=tag)
+    in_flight()
+    work.wait()
+    return y
 
 
 def copy_to_region(x: torch.Tensor, comm: Comm, group: AxisGroup, tag: str | None = None) -> torch.Tensor:
@@ -204,11 +216,13 @@ def reduce_scatter_sequence(x: torch.Tensor, comm: Comm, group: AxisGroup, dim: 
 
 
 def all_to_all(x: torch.Tensor, comm: Comm, group: AxisGroup, output_splits: Sequence[int] | None = None,
-               input_splits: Sequence[int] | None = None, tag: str | None = None) -> torch.Tensor:
-    """Exchange rows of ``x`` (dim 0) across the group; the backward sends gradients back the same way."""
+               input_splits: Sequence[int] | None = None, tag: str | None = None,
+               in_flight: WhileInFlight | None = None) -> torch.Tensor:
+    """Exchange rows of ``x`` (dim 0) across the group; the backward sends gradients back the same way.
+    ``in_flight``: run while the exchange is in flight, forward and backward (`minipar.core.interleave`)."""
     out_s = None if output_splits is None else [int(s) for s in output_splits]
     in_s = None if input_splits is None else [int(s) for s in input_splits]
-    return _AllToAll.apply(x, comm, group, out_s, in_s, tag)
+    return _AllToAll.apply(x, comm, group, out_s, in_s, tag, in_flight)
 
 
 def _exchange(x: torch.Tensor, comm: Comm, group: AxisGroup, tag: str | None, cut: str, what: str,

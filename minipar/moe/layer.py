@@ -80,6 +80,7 @@ import torch.nn as nn
 from einops import rearrange
 
 from ..core import regions
+from ..core.interleave import WhileInFlight
 from ..core.placement import place
 from ..kernels import gelu, permute, unpermute
 from .experts import expert_mlp
@@ -161,6 +162,8 @@ class MoELayer(nn.Module):
         self.aux_scale = 1.0           # 1/m when the loss is a mean over m micro-batches
         self.sequence_shards = 1       # tp under sequence parallelism: the ranks routing one sequence
         self.comm = self.ep_group = None
+        # what runs while this layer's all-to-alls are in flight: set by a DualPipe pair to its other half
+        self.in_flight = WhileInFlight()
         self.ep_rank, self.ep_size = 0, 1
         self.last_aux = self.last_z = None
         self.last_dropped = 0
@@ -251,14 +254,16 @@ class MoELayer(nn.Module):
         received = received.view(p, n_local)
         recv_splits = received.sum(dim=1).tolist()
         # 2. Dispatch: rows for experts on rank j go to rank j; they arrive ordered (source, local expert).
-        x_recv = regions.all_to_all(x_perm, comm, group, recv_splits, send_splits, tag="moe_dispatch")
+        x_recv = regions.all_to_all(x_perm, comm, group, recv_splits, send_splits, tag="moe_dispatch",
+                                    in_flight=self.in_flight)
         # 3. Regroup by local expert (stable: source order within an expert), compute, restore the order.
         local_expert = torch.arange(n_local, device=x_perm.device).repeat(p).repeat_interleave(received.flatten())
         by_expert = local_expert.argsort(stable=True)
         y_sorted = self._local_experts(permute(x_recv, by_expert), received.sum(dim=0))
         y_recv = unpermute(y_sorted, by_expert, x_recv.shape[0])
         # 4. Combine: the inverse exchange, splits swapped.
-        return regions.all_to_all(y_recv, comm, group, send_splits, recv_splits, tag="moe_combine")
+        return regions.all_to_all(y_recv, comm, group, send_splits, recv_splits, tag="moe_combine",
+                                  in_flight=self.in_flight)
 
     def _local_experts(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x: rows grouped by local expert, counts[j] (a tensor) rows for expert j -> each row through its

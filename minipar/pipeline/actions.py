@@ -62,11 +62,16 @@ def carries(kind: str) -> str:
 
 class Schedule(list):
     """``schedule[rank]`` is that rank's list of actions, in order. A list, plus the layout of the
-    model pieces: ``chunks`` per rank, placed by ``placement`` ("interleaved" or "v")."""
+    model pieces: ``chunks`` per rank, placed by ``placement`` ("interleaved" or "v"); and the
+    overlapped pairs, ``pairs[rank]`` = {index of an F: index of a B} (DualPipeV's): the executor
+    runs the two together, each half's collectives in flight during the other's compute
+    (`minipar.core.interleave`); run one after the other they are the same list."""
 
-    def __init__(self, per_rank: list[list[Action]], chunks: int = 1, placement: str = "interleaved") -> None:
+    def __init__(self, per_rank: list[list[Action]], chunks: int = 1, placement: str = "interleaved",
+                 pairs: list[dict[int, int]] | None = None) -> None:
         super().__init__(per_rank)
         self.chunks, self.placement = chunks, placement
+        self.pairs = pairs if pairs is not None else [{} for _ in per_rank]
 
 
 def virtual_stage(rank: int, chunk: int, stages: int, placement: str = "interleaved") -> int:
@@ -119,3 +124,4 @@ class Layout:
         first, last = self.ends(rank, chunk)
         return ([] if last else [Action("RECV_GRAD", i, chunk)]) + [Action("B", i, chunk)] + \
             ([] if first else [Action("SEND_GRAD", i, chunk)])
+

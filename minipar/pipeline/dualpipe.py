@@ -51,7 +51,9 @@ def dualpipe_v(stages: int, microbatches: int, virtual_stages: int = 2) -> Sched
     check_counts(stages, microbatches, virtual_stages, "dualpipe_v", chunks=2)
     p, m = stages, microbatches
     n = max(m, 2 * p)  # the pattern's micro-batch count; those >= m are dropped when written out
-    return Schedule([_Rank(p, r, m).actions(_phases(p, r, n)) for r in range(p)], chunks=2, placement="v")
+    ranks = [_Rank(p, r, m) for r in range(p)]
+    per_rank = [rank.actions(_phases(p, r, n)) for r, rank in enumerate(ranks)]
+    return Schedule(per_rank, chunks=2, placement="v", pairs=[rank.pairs for rank in ranks])
 
 
 def _phases(p: int, r: int, n: int) -> list[tuple]:
@@ -84,6 +86,7 @@ class _Rank:
         self.r, self.m, self.pipe = r, m, Layout(p, 2, "v")
         self.taken: dict[tuple[str, int], int] = {}  # (kind, chunk) -> micro-batches handed out
         self.queue: list[tuple[int, int]] = []       # deferred W's: (micro-batch, chunk), oldest first
+        self.pairs: dict[int, int] = {}              # overlapped pairs: index of the F -> index of the B
 
     def _next(self, kind: str, chunk: int) -> int:
         i = self.taken[kind, chunk] = self.taken.get((kind, chunk), -1) + 1
@@ -101,7 +104,11 @@ class _Rank:
                 i, c = self.queue.pop(0)
                 out += [Action("W", i, c)] if i < self.m else []
             else:
-                out += self._pair(*step[1:])
+                pair = self._pair(*step[1:])
+                if len(pair) > 1 and {"F", "B"} <= {a.kind for a in pair}:  # both halves are there
+                    self.pairs[len(out) + pair.index(next(a for a in pair if a.kind == "F"))] = \
+                        len(out) + pair.index(next(a for a in pair if a.kind == "B"))
+                out += pair
         return out
 
     def _backward(self, chunk: int, defer: bool) -> list[Action]:
@@ -127,8 +134,8 @@ class _Rank:
 
 
 def without_overlap(schedule: Schedule) -> Schedule:
-    """The same lists with every posted receive made blocking (IRECV_* -> RECV_*): the synchronous
-    version of an overlapped schedule, for measuring what the overlap hides. On paper (communication
+    """The same lists with every posted receive made blocking (IRECV_* -> RECV_*) and no pair run
+    together (each half's all-to-alls waited at once): the synchronous version of an overlapped schedule, for measuring what the overlap hides. On paper (communication
     free) no action of it starts sooner, some later (a forward waiting on a gradient it does not need)."""
     return Schedule([[Action(a.kind[1:], a.microbatch, a.chunk) if a.kind.startswith("IRECV_") else a for a in acts]
-                     for acts in schedule], chunks=schedule.chunks, placement=schedule.placement)
+                     for acts in schedule], chunks=schedule.chunks, placement=schedule.placement)  # and no pairs

@@ -28,8 +28,17 @@ import torch.nn as nn
 
 from ..core.mesh import AxisGroup, Mesh
 from .abort import PipelineAborted, read_marker, send_markers
+from ..core.interleave import Interleave, WhileInFlight
 from .actions import Action, Schedule, carries, holder, virtual_stage
 from .split_backward import WeightGrad, backward_input
+
+
+def collectives_in_flight(stage: nn.Module, chunk: int) -> list[WhileInFlight]:
+    """The hooks of the layers in ``chunk`` of ``stage`` whose collectives can run during other compute:
+    MoE layers whose all-to-alls go to other ranks (ep > 1)."""
+    lo, hi = stage.chunk_blocks[chunk]
+    return [m.in_flight for block in stage.stage_blocks()[lo:hi] for m in block.modules()
+            if isinstance(getattr(m, "in_flight", None), WhileInFlight) and getattr(m, "ep_size", 1) > 1]
 
 
 def run_schedule(stage: nn.Module, schedule: Schedule, mesh: Mesh, inputs: list[torch.Tensor] | None,
@@ -133,12 +142,88 @@ def run_schedule(stage: nn.Module, schedule: Schedule, mesh: Mesh, inputs: list[
             timeline.append((name, t, end))
         return end, start_event
 
+    def clock() -> tuple:
+        """(perf_counter seconds, on a GPU a start event recorded now): where an action's span starts."""
+        t = time.perf_counter()
+        if not gpu_clock:
+            return t, None
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return t, ev
+
+    def record(a: Action, t0: float, ev0) -> None:
+        if gpu_clock:
+            ev1 = torch.cuda.Event(enable_timing=True)
+            ev1.record()
+            spans.append((str(a), ev0, ev1))
+        elif timeline is not None:
+            timeline.append((str(a), t0, time.perf_counter()))
+
+    def forward(a: Action, t0: float, ev0) -> None:
+        nonlocal live, peak_live
+        key, k = (a.microbatch, a.chunk), piece(a)
+        if ("pp_act",) + key in posted:
+            t0, ev0 = wait_posted(a, "pp_act", key, ev0)
+        out = stage(inputs[a.microbatch] if k == 0 else received[key], chunk=a.chunk)
+        if k == pieces - 1:
+            out = loss_fn(out, targets[a.microbatch]) / m
+            total.add_(out.detach())
+        outputs[key] = out
+        live += 1
+        peak_live = max(peak_live, live)
+        record(a, t0, ev0)
+
+    def backward(a: Action, t0: float, ev0) -> None:
+        nonlocal live
+        key = (a.microbatch, a.chunk)
+        if ("pp_grad",) + key in posted:
+            t0, ev0 = wait_posted(a, "pp_grad", key, ev0)
+        out, grad = outputs.pop(key), out_grads.pop(key, None)
+        if split:
+            weight_grads[key] = backward_input(out, grad, received.get(key))
+        else:
+            out.backward(grad)
+            live -= 1
+        record(a, t0, ev0)
+
+    def weight(a: Action, t0: float, ev0) -> None:
+        nonlocal live
+        weight_grads.pop((a.microbatch, a.chunk)).run()
+        live -= 1
+        record(a, t0, ev0)
+
+    def pair(f: Action, b: Action, t0: float, ev0) -> None:
+        """F ``f`` and B ``b`` as one overlapped pair (`Interleave`): each hands over to the other while
+        one of its chunk's all-to-alls is in flight; F starts."""
+        both = Interleave()
+        for side, c in enumerate((f.chunk, b.chunk)):
+            for hook in in_flight[c]:
+                hook.run = (lambda side=side: both.switch(side))
+        def backward_half() -> None:
+            backward(b, *clock())
+            w = Action("W", b.microbatch, b.chunk)
+            if split and weight_grads[(b.microbatch, b.chunk)].full is not None:
+                # B had nothing to do (the first piece: no input gradient), W is the whole backward: it
+                # runs here, in the half, where its all-to-alls have the forward to hide behind
+                weight(w, *clock())
+                ran.add(actions.index(w, at))
+
+        try:
+            both.run(lambda: forward(f, t0, ev0), backward_half)
+        finally:
+            for hook in in_flight[f.chunk] + in_flight[b.chunk]:
+                hook.run = None
+
+    # Overlapped pairs (F position -> its B's) where the two chunks have all-to-alls to hide (MoE
+    # layers over ep > 1); every other F and B runs alone, its collectives waited at once.
+    in_flight = [collectives_in_flight(stage, c) for c in range(schedule.chunks)]
+    paired = {f: b for f, b in getattr(schedule, "pairs", [{}] * p)[rank].items()
+              if in_flight[actions[f].chunk] and in_flight[actions[b].chunk]}
+    ran = set(paired.values())  # B's (and W's) already run inside their pair
+
     try:
         for at, a in enumerate(actions):
-            t0 = time.perf_counter()
-            if gpu_clock:
-                ev0 = torch.cuda.Event(enable_timing=True)
-                ev0.record()
+            t0, ev0 = clock()
             key, k = (a.microbatch, a.chunk), piece(a)
             if a.kind in ("RECV_ACT", "RECV_GRAD", "IRECV_ACT", "IRECV_GRAD"):
                 tag = "pp_" + carries(a.kind).lower()
@@ -163,34 +248,17 @@ def run_schedule(stage: nn.Module, schedule: Schedule, mesh: Mesh, inputs: list[
                     local[(tag, a.microbatch, dst_chunk)] = t
                 else:
                     pending.append((comm.send(t, dst_rank, groups[tag], async_op=True, tag=tag), t))
+            elif a.kind == "F" and at in paired:
+                pair(a, actions[paired[at]], t0, ev0)
+                continue  # (both spans recorded)
             elif a.kind == "F":
-                if ("pp_act",) + key in posted:
-                    t0, ev0 = wait_posted(a, "pp_act", key, ev0 if gpu_clock else None)
-                out = stage(inputs[a.microbatch] if k == 0 else received[key], chunk=a.chunk)
-                if k == pieces - 1:
-                    out = loss_fn(out, targets[a.microbatch]) / m
-                    total += out.detach()
-                outputs[key] = out
-                live += 1
-                peak_live = max(peak_live, live)
-            elif a.kind == "B":
-                if ("pp_grad",) + key in posted:
-                    t0, ev0 = wait_posted(a, "pp_grad", key, ev0 if gpu_clock else None)
-                out, grad = outputs.pop(key), out_grads.pop(key, None)
-                if split:
-                    weight_grads[key] = backward_input(out, grad, received.get(key))
-                else:
-                    out.backward(grad)
-                    live -= 1
-            elif a.kind == "W":
-                weight_grads.pop(key).run()
-                live -= 1
-            if gpu_clock:
-                ev1 = torch.cuda.Event(enable_timing=True)
-                ev1.record()
-                spans.append((str(a), ev0, ev1))
-            elif timeline is not None:
-                timeline.append((str(a), t0, time.perf_counter()))
+                forward(a, t0, ev0)
+                continue
+            elif a.kind in ("B", "W"):
+                if at not in ran:
+                    (backward if a.kind == "B" else weight)(a, t0, ev0)
+                continue
+            record(a, t0, ev0)
     except Exception as e:  # tell the stages waiting on this one, then raise here
         failure = e.origin if isinstance(e, PipelineAborted) else \
             f"pipeline stage {rank} (rank {mesh.rank}) failed at {actions[at]}: {type(e).__name__}: {e}"

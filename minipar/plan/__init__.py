@@ -29,7 +29,7 @@ from minipar.plan import compute as C, formulas as F
 from minipar.core.comm import wire_bytes
 
 from ..data_parallel.strategy import planned_strategies, strategy_entry
-from .overlap import exposed_comm_s
+from .overlap import dualpipe_v_times, exposed_comm_s
 from .presets import H100, MODELS, Cluster, ModelShape
 from .readable import size
 
@@ -301,8 +301,16 @@ def _times(model: ModelShape, cluster: Cluster, global_batch: int, lay: Layout, 
     # not q/k/v's shared gather, so this is the bound collective matmul approaches.
     linear = compute * (1 - attention_share)
     tp_async = exposed_comm_s(lay.tp, exposed["tp"] / max(lay.tp - 1, 1), linear / lay.tp) if lay.tp > 1 else 0.0
+    # Under schedule="dualpipe_v" (two chunks per rank: 2·pp layers at least) the ramp is ZB-V's and the
+    # overlapped pairs hide the ep all-to-all behind the other half's compute (`minipar.plan.overlap`).
+    # Beside the ranking too: it is a schedule choice within the layout.
+    dualpipe = None
+    if lay.pp > 1 and model.layers >= 2 * lay.pp:
+        dualpipe = dualpipe_v_times(lay.pp, m, compute, exposed["ep"])
+        dualpipe["step_s"] = step - bubble - exposed["ep"] + dualpipe["bubble_s"] + dualpipe["exposed_ep_s"]
     return dict(step_s=step, compute_s=compute, bubble_s=bubble, bubble=C.bubble_fraction(lay.pp, m),
-                exposed_s=exposed, exposed_tp_async_s=tp_async, comm_s=seconds, tokens_per_s=tokens / step,
+                exposed_s=exposed, exposed_tp_async_s=tp_async, dualpipe_v=dualpipe, comm_s=seconds,
+                tokens_per_s=tokens / step,
                 mfu=6 * active * tokens / step / (gpus * cluster.peak_flops), fits=fits)
 
 

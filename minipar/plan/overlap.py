@@ -1,4 +1,5 @@
-"""Exposed communication of tensor-parallel matmuls with and without collective matmul (async TP).
+"""Exposed communication with and without overlap: tensor-parallel matmuls under collective matmul
+(async TP), and the expert-parallel all-to-all inside DualPipeV's overlapped pairs.
 
 A sequence-parallel linear layer at tensor-parallel size n moves (n-1)/n of a (tokens, features)
 tensor per rank under the ring algorithm: n-1 hops of one (tokens/n, features) chunk each, c seconds
@@ -25,6 +26,12 @@ with the linear layers' compute as the chunks' matmuls.
 
 from __future__ import annotations
 
+from fractions import Fraction
+from functools import lru_cache
+
+from ..pipeline.dualpipe import dualpipe_v
+from ..pipeline.simulator import simulate
+
 
 def exposed_comm_s(chunks: int, comm_chunk_s: float, compute_chunk_s: float, overlap: bool = True) -> float:
     """Seconds of communication not hidden behind compute, for a ring of ``chunks`` ranks whose hops
@@ -44,3 +51,35 @@ def tp_matmul_exposed(tokens: int, in_features: int, out_features: int, tp: int,
     comm_chunk_s = tokens / tp * hop_features * bytes_per_element / bytes_per_s
     compute_chunk_s = 2 * tokens / tp * in_features * out_features / tp / flops_per_s
     return exposed_comm_s(tp, comm_chunk_s, compute_chunk_s, overlap)
+
+
+@lru_cache(maxsize=256)
+def _dualpipe_v_shape(stages: int, microbatches: int) -> tuple[Fraction, int]:
+    """(bubble fraction with F = B = W, the fewest overlapped pairs on any rank) of `dualpipe_v`."""
+    schedule = dualpipe_v(stages, microbatches)
+    pairs = min(len(rank_pairs) for rank_pairs in schedule.pairs)
+    if microbatches >= 2 * stages:  # the steady state exists: ZB-V's ramp (tests/test_dualpipe.py)
+        return Fraction(stages - 1, 6 * microbatches + stages - 1), pairs
+    return Fraction(simulate(schedule, {"F": 1, "B": 1, "W": 1})["bubble"]), pairs
+
+
+def dualpipe_v_times(stages: int, microbatches: int, compute_s: float, ep_s: float) -> dict:
+    """DualPipeV on the planner's clock: its bubble, and the expert-parallel all-to-all its pairs hide.
+
+    A rank's step is 2m chunk passes of F, B and W, each u = compute_s / (6m) (compute_s: the step's
+    compute on one rank). The bubble is the simulator's with F = B = W: with m >= 2p ZB-V's ramp,
+    (p-1) / (6m + p-1) of the step, so (p-1)·u seconds. The all-to-all (ep_s per step) splits evenly
+    over the 4m halves that make it (F and B of each chunk pass: dispatch and combine, or their
+    adjoints), a = ep_s / (4m) each. In an overlapped pair each half's exchanges fly during the other
+    half's compute (`minipar.core.interleave`); a half outside a pair waits for its own:
+
+        exposed = (4m - 2·pairs)·a + 2·pairs·max(0, a - u)
+
+    with pairs the fewest of any rank (the slowest rank sets the step). Left out, as in the rest of
+    the planner: an exchange's latency and the slowdown of compute sharing the memory bus with it."""
+    m = microbatches
+    bubble, pairs = _dualpipe_v_shape(stages, m)
+    u, a = compute_s / (6 * m), ep_s / (4 * m)
+    exposed = (4 * m - 2 * pairs) * a + 2 * pairs * max(0.0, a - u)
+    return {"bubble": float(bubble), "bubble_s": float(bubble / (1 - bubble)) * compute_s,
+            "pairs": pairs, "exposed_ep_s": exposed}

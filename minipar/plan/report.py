@@ -81,5 +81,12 @@ def explain(model: ModelShape, cluster: Cluster, global_batch: int, lay: Layout)
               "      exposed communication: " + ", ".join(f"{k} {seconds(v)}" for k, v in r["exposed_s"].items()),
               f"      (tp with collective matmul, async_comm=True: at best {seconds(r['exposed_tp_async_s'])} exposed, "
               "each hop behind a chunk's matmul: minipar.plan.overlap)" if lay.tp > 1 else "",
+              _dualpipe_line(r["dualpipe_v"], seconds) if r.get("dualpipe_v") else "",
               f"      step = {seconds(r['step_s'])}; {r['tokens_per_s']:,.0f} tokens/s; MFU {r['mfu']:.3f}"]
     return "\n".join(line for line in lines if line)
+
+
+def _dualpipe_line(d: dict, seconds) -> str:
+    return (f"      (schedule='dualpipe_v': bubble {seconds(d['bubble_s'])} ({d['bubble']:.3f} of the step), "
+            f"ep all-to-all {seconds(d['exposed_ep_s'])} exposed with {d['pairs']} overlapped pairs on the "
+            f"slowest rank; step {seconds(d['step_s'])}: minipar.plan.overlap)")
