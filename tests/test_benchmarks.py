@@ -120,6 +120,19 @@ def test_pp_vs_torch_runs_and_reports_ratios_and_agreeing_losses(tmp_path):
     assert diff <= 1e-4 and figures["first_losses_max_diff"] <= 1e-4  # printed to 3 digits, stored exactly
 
 
+def test_dualpipe_moe_runs_and_reports_the_all_to_all_blocked_beside_the_planner(tmp_path):
+    """benchmarks/dualpipe_moe.py (pp2 x dp2 x ep2, tiny): the overlapped and the synchronous DualPipeV
+    train bitwise the same losses (it would exit 1 otherwise), and each run's blocked all-to-all time,
+    its compute and the planner's prediction are printed and written to --json."""
+    result = tmp_path / "dualpipe_moe.json"
+    out = _torchrun("dualpipe_moe.py", "--n-layer", "4", "--n-embd", "16", "--n-head", "2", "--seq", "8",
+                    "--vocab", "32", "--batch", "8", "--steps", "2", "--warmup", "1", "--json", str(result), nproc=4)
+    figures = json.loads(result.read_text())
+    assert figures["losses_equal"] and "bitwise equal" in out, out
+    assert set(figures["blocked_all_to_all_s"]) == {"overlapped", "synchronous"}
+    assert figures["planner"]["pairs"] == 3 and "planner: all-to-all exposed" in out, out
+
+
 def test_compose_vs_torch_runs_and_reports_ratios_and_agreeing_losses(tmp_path):
     """benchmarks/compose_vs_torch.py on 4 ranks: zero3 x pp against fully_shard + pipelining, and
     HSDP against fully_shard on a 2-D mesh. Both ratios printed and written to --json; the first

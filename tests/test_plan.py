@@ -564,3 +564,41 @@ def test_the_planner_reports_what_collective_matmul_would_leave_exposed():
         assert rf["exposed_tp_async_s"] == pytest.approx(rf["exposed_s"]["tp"], rel=1e-4), name
         seen_hidden |= lay.tp > 1 and r["exposed_tp_async_s"] < sync
     assert seen_hidden, "on H100s the matmuls hide some tp hops for some layout"
+
+
+@pytest.mark.parametrize("p", range(1, 6))
+def test_dualpipe_v_model_is_the_schedules_bubble_and_pairs(p):
+    """The planner's DualPipeV (`minipar.plan.overlap.dualpipe_v_times`): its bubble is the simulator's
+    with F = B = W for every m from 1 to 3p (closed form from m = 2p on); its overlapped pairs on the
+    slowest rank are what the phases give rank 0, 2(m-2p+1) in the steady state plus p-1 as chunk 0
+    drains, 2m - 3p + 1 (p >= 2); the all-to-all is exposed in full without compute to hide behind,
+    and with ample compute only outside the pairs."""
+    from minipar.pipeline import dualpipe_v, simulate
+    from minipar.plan.overlap import dualpipe_v_times
+    for m in range(1, 3 * p + 1):
+        model = dualpipe_v_times(p, m, compute_s=6.0 * m, ep_s=4.0 * m)  # u = 1 s per action, a = 1 s per half
+        assert model["bubble"] == pytest.approx(float(simulate(dualpipe_v(p, m), {"F": 1, "B": 1, "W": 1})["bubble"]))
+        pairs = model["pairs"]
+        assert pairs == min(len(ranks) for ranks in dualpipe_v(p, m).pairs)
+        if m >= 2 * p and p >= 2:
+            assert pairs == 2 * m - 3 * p + 1, (p, m, pairs)
+        assert model["exposed_ep_s"] == pytest.approx(4 * m - 2 * pairs)  # a = u: a pair hides exactly
+        assert dualpipe_v_times(p, m, 0.0, 4.0 * m)["exposed_ep_s"] == pytest.approx(4 * m)
+        assert dualpipe_v_times(p, m, 600.0 * m, 4.0 * m)["exposed_ep_s"] == pytest.approx(4 * m - 2 * pairs)
+
+
+def test_dualpipe_v_beside_the_ranking_hides_bubble_and_all_to_all(capsys):
+    """A pipelined MoE layout (deepseek-v3-like, pp 8 x ep 8, m = 32): the planner's DualPipeV figures
+    have a bubble below 1F1B's and an exposed all-to-all below the whole ep time (the pairs hide part),
+    its step is those swapped into the 1F1B step, and --explain prints them."""
+    from minipar.plan import MODELS, Layout, evaluate
+    from minipar.plan.__main__ import main
+    from minipar.plan.presets import Cluster
+    name = "tp1.pp8.dp32.cp1.ep8.zero1.mbs1.rc"
+    r = evaluate(MODELS["deepseek-v3-like"], Cluster("256 GPUs", nodes=32), 1024, Layout.parse(name))
+    d, ep = r["dualpipe_v"], r["exposed_s"]["ep"]
+    assert d["bubble_s"] < r["bubble_s"] and 0 < d["exposed_ep_s"] < ep, (d, r["bubble_s"], ep)
+    assert d["step_s"] == pytest.approx(r["step_s"] - r["bubble_s"] - ep + d["bubble_s"] + d["exposed_ep_s"])
+    main(["--model", "deepseek-v3-like", "--gpus", "256", "--explain", name])
+    line = next(x for x in capsys.readouterr().out.splitlines() if "schedule='dualpipe_v'" in x)
+    assert f"{d['pairs']} overlapped pairs" in line, line
