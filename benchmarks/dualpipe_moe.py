@@ -14,6 +14,7 @@ pairs change the order of work, not its arithmetic).
 
 from __future__ import annotations
 
+import re
 import statistics
 import time
 
@@ -26,6 +27,7 @@ from minipar.pipeline.dualpipe import without_overlap
 from minipar.plan.overlap import dualpipe_v_times
 
 TAGS = ("moe_dispatch", "moe_combine", "moe_counts")
+COMPUTE = re.compile(r"[FBW]\d+(c\d)?")  # F, B, W spans of the timeline (not WAIT_*)
 
 
 class _Timed:
@@ -84,7 +86,7 @@ def main() -> int:
         loss = models[name].train_step(*batches[i], models[name].cross_entropy)
         opts[name].step()
         opts[name].zero_grad()
-        spans = sum(end - start for action, start, end in models[name].timeline if action[0] in "FBW")
+        spans = sum(end - start for action, start, end in models[name].timeline if COMPUTE.fullmatch(action))
         figures[name]["blocked"].append(blocked[0])
         figures[name]["compute"].append(spans - blocked[0])
         return loss.item()

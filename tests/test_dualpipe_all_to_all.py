@@ -11,6 +11,7 @@ a pair has two all-to-alls), m = 4, under schedule="dualpipe_v":
   exchange launched inside a pair waited only after the other half did something (launched its own,
   or finished), four per pair; the same run with the two halves run one after the other (each
   exchange waited at once) fails that check;
+* the timeline holds the stretches each half of a pair ran, several each, no two overlapping;
 * the interleaved and the serialised runs train bitwise the same (losses, clipped gradient norms and
   parameters after two AdamW steps): the interleaving moves no arithmetic. Both equal one process
   through `tests/test_dualpipe.py`'s MoE test (the same layout).
@@ -18,11 +19,13 @@ a pair has two all-to-alls), m = 4, under schedule="dualpipe_v":
 
 from __future__ import annotations
 
+import re
 import threading
 
 import torch
 
 from minipar import Mesh, ShardedModule
+from minipar.core.interleave import Interleave
 from minipar.models import MoEGPT, MoEGPTConfig
 from minipar.pipeline import dualpipe_v
 from minipar.pipeline import executor as executor_module
@@ -32,7 +35,7 @@ from helpers import LR, WD, LoggedWork
 M = 4
 
 
-class _OneAfterTheOther:
+class _OneAfterTheOther(Interleave):
     """`Interleave` without the interleaving: the forward half runs to its end, then the backward half;
     a collective's hand-over does nothing, so it is waited as soon as it is launched."""
 
@@ -40,15 +43,17 @@ class _OneAfterTheOther:
         pass
 
     def run(self, first, second) -> None:
-        first()
-        second()
+        for side, half in enumerate((first, second)):
+            self._start(side)
+            half()
+            self._stop(side)
 
 
 def _logged_training(ctx, serialise: bool):
     mesh = Mesh(pp=2, dp=2, ep=2)
     cfg = MoEGPTConfig(vocab_size=16, block_size=6, n_layer=4, n_head=2, n_embd=8, n_experts=4, top_k=2,
                        capacity_factor=None, aux_loss_coef=0.1, seed=5)
-    model = ShardedModule(MoEGPT(cfg), mesh=mesh, schedule="dualpipe_v", microbatches=M)
+    model = ShardedModule(MoEGPT(cfg), mesh=mesh, schedule="dualpipe_v", microbatches=M, record_timeline=True)
     opt = model.build_optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD)
     log: list[tuple] = []
     all_to_all, forward, backward_input = mesh.comm.all_to_all, model.module.forward, executor_module.backward_input
@@ -86,7 +91,7 @@ def _logged_training(ctx, serialise: bool):
             norms.append(model.clip_grad_norm_(0.05))
             opt.step()
             opt.zero_grad()
-        return mesh.pp_rank, log, losses, norms, model.full_state_dict()
+        return mesh.pp_rank, log, losses, norms, model.full_state_dict(), model.timeline
     finally:
         executor_module.backward_input = backward_input
         executor_module.Interleave = interleave
@@ -109,11 +114,20 @@ def _unhidden(log: list[tuple]) -> tuple[list[tuple], int]:
 def test_each_all_to_all_of_a_pair_runs_during_the_other_halfs_compute(pools):
     interleaved = pools.run(4, _logged_training, False)
     serialised = pools.run(4, _logged_training, True)
-    for rank, (stage, log, *_) in enumerate(interleaved):
-        pairs = len(dualpipe_v(2, M).pairs[stage])
+    for rank, (stage, log, *_, timeline) in enumerate(interleaved):
+        schedule = dualpipe_v(2, M)
+        pairs = len(schedule.pairs[stage])
         bad, launched = _unhidden(log)
         # per step and pair: dispatch and combine in the forward half, their adjoints in the backward's
         assert launched == 2 * 4 * pairs and not bad, (rank, stage, pairs, launched, bad)
+        # the timeline has the stretches each half ran: a pair's F and B each in several, none overlapping
+        computes = sorted((s, e) for name, s, e in timeline if re.fullmatch(r"[FBW]\d+(c\d)?", name))
+        assert all(e0 <= s1 for (_, e0), (s1, _) in zip(computes, computes[1:])), (rank, timeline)
+        names = [name for name, _, _ in timeline]
+        for f, b in schedule.pairs[stage].items():
+            f, b = schedule[stage][f], schedule[stage][b]
+            backward_half = names.count(str(b)) + names.count("W" + str(b)[1:])  # (with W, on the first piece)
+            assert names.count(str(f)) >= 2 and backward_half >= 2, (rank, f, b, names)
     for rank, (stage, log, *_) in enumerate(serialised):
         bad, launched = _unhidden(log)
         assert bad and len(bad) == launched, (rank, "the check must see the serialisation", bad)

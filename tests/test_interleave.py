@@ -69,3 +69,25 @@ def test_a_hook_runs_only_while_set():
     hook.run = lambda: calls.append(1)
     hook()
     assert hook and calls == [1]
+
+
+def test_spans_say_when_each_half_ran_under_its_labels_without_overlap():
+    """With a clock, `spans` has one entry per stretch a half ran, in order, labelled as the half
+    said; consecutive stretches never overlap (a tick counter as the clock)."""
+    ticks = iter(range(1000))
+    pair = Interleave(clock=lambda: next(ticks))
+
+    def first():
+        pair.label(0, "F")
+        pair.switch(0)
+        pair.switch(0)
+
+    def second():
+        pair.label(1, "B")
+        pair.switch(1)
+        pair.label(1, "W")
+    pair.run(first, second)
+    names = [name for name, _, _ in pair.spans]
+    assert names == ["F", "B", "F", "B", "W", "F"], pair.spans
+    ends = [(s, e) for _, s, e in pair.spans]
+    assert all(s < e for s, e in ends) and all(e0 <= s1 for (_, e0), (s1, _) in zip(ends, ends[1:])), ends

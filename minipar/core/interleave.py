@@ -46,12 +46,33 @@ class WhileInFlight:
 class Interleave:
     """Runs ``first`` (on this thread) and ``second`` (on a helper thread) as two coroutines: ``first``
     starts; a half that calls ``switch(its side)`` hands the turn to the other and gets it back when
-    the other switches or finishes. An exception in either half is raised here once both have stopped."""
+    the other switches or finishes. An exception in either half is raised here once both have stopped.
+    With a ``clock``, ``spans`` lists when each half ran, (label, clock() at start, at end), the
+    labels set by `label`: a timeline of the pair with nothing counted twice."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], object] | None = None) -> None:
         self._turn = threading.Condition()
         self._running = 0                  # the side (0: first, 1: second) whose turn it is
         self._done = [False, False]
+        # When each half ran: ``clock()`` read at every hand-over; (label, start, end) in order.
+        self._clock, self.spans = clock, []
+        self._labels, self._since = ["", ""], [None, None]
+
+    def label(self, side: int, name: str) -> None:
+        """The running half ``side`` names what it does from now on: its spans after this carry ``name``."""
+        self._stop(side)
+        self._labels[side] = name
+        self._start(side)
+
+    def _start(self, side: int) -> None:
+        if self._clock is not None:
+            self._since[side] = self._clock()
+
+    def _stop(self, side: int) -> None:
+        if self._clock is not None and self._since[side] is not None:
+            if self._labels[side]:  # (an unnamed stretch, before the half's first `label`, is not kept)
+                self.spans.append((self._labels[side], self._since[side], self._clock()))
+            self._since[side] = None
 
     def switch(self, side: int) -> None:
         """Called by the half ``side`` (0 or 1) after launching a collective: the other half runs until
@@ -59,9 +80,11 @@ class Interleave:
         with self._turn:
             if self._done[1 - side]:
                 return
+            self._stop(side)
             self._running = 1 - side
             self._turn.notify_all()
             self._turn.wait_for(lambda: self._running == side)
+            self._start(side)
 
     def run(self, first: Callable[[], None], second: Callable[[], None]) -> None:
         errors: list[BaseException | None] = [None, None]
@@ -71,11 +94,13 @@ class Interleave:
                 if side == 1:
                     with self._turn:
                         self._turn.wait_for(lambda: self._running == 1)
+                self._start(side)
                 fn()
             except BaseException as e:  # raised on this (the caller's) thread below
                 errors[side] = e
             finally:
                 with self._turn:  # finished: the other half keeps the turn to the end
+                    self._stop(side)
                     self._done[side] = True
                     self._running = 1 - side
                     self._turn.notify_all()

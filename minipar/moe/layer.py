@@ -16,7 +16,9 @@ holding ``E / P`` experts each (expert ``e`` lives on ep rank ``e // (E / P)``):
     shared     with S shared experts, out[t] += the dense MLP of width S * d_hidden on x[t]
 
 Backward runs the same exchanges in reverse (the all-to-all's adjoint is the
-all-to-all with the splits swapped, `minipar.core.regions.all_to_all`).
+all-to-all with the splits swapped, `minipar.core.regions.all_to_all`). While a
+dispatch or combine (or an adjoint) is in flight the layer runs ``in_flight``:
+nothing, or inside a DualPipeV pair the other half's compute (`minipar.core.interleave`).
 
 Drop policy (documented, and the single-process reference makes the same
 decisions): an expert's C slots go first to first choices, then to second

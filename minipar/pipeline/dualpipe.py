@@ -25,12 +25,24 @@ posted, not waited):
 
     IRECV_GRAD j c1, RECV_ACT i c0, F i c0, SEND_ACT i c0, B j c1, SEND_GRAD j c1, W j c1
 
-so the executor needs one thing more than for ZB-V (a posted receive waited at its B), the
-simulator times it like any other list, and the timeline draws F and B as they ran. What overlaps
-what is read off the list: micro-batch j's gradient is in flight during F i (and its wait is after
-F i's compute), F i's output is in flight during B j and W j (sends never wait). The MoE
-all-to-all of one half overlapping the other half's compute needs the two halves' layers to be
-interleaved inside the model's forward and backward; that is a change in `minipar.moe`, not here.
+so the simulator times it like any other list and the timeline draws F and B as they ran. What
+overlaps what in p2p is read off the list: micro-batch j's gradient is in flight during F i (and its
+wait is after F i's compute), F i's output is in flight during B j and W j (sends never wait).
+
+The pairs are also named (``Schedule.pairs[rank]``: index of the F -> index of the B, every
+overlapped pair, those on the last piece too, whose B receives nothing), so that the executor can
+run the two halves together: where their chunks hold MoE layers over ep > 1 it runs F on this
+thread and B on a second, one at a time (`minipar.core.interleave`), each handing over to the other
+right after it launches an all-to-all and taking its turn back to wait for it:
+
+    F i:  attention, route | dispatch in flight       | experts | combine in flight      | ...
+    B j:                   | combine^T's grads ...    |         | experts' grads ...     | ...
+
+so each dispatch and combine (forward) and each adjoint (backward) flies during the other half's
+compute, as DeepSeek-V3 hides its expert-parallel traffic. Where B j's whole backward is W's (the
+first piece: no input gradient), W j runs inside the pair. The arithmetic of each half is unchanged:
+results are bitwise those of running them one after the other (`without_overlap`, and
+tests/test_dualpipe_all_to_all.py).
 
 Cost. On one device the two halves of a pair still take F + B + W of compute: what the pair hides
 is communication, which `simulate` counts as free. Its bubble there is that of the phases above

@@ -16,6 +16,11 @@ computes the input's gradient only and W the weights' (`split_backward`).
 A posted receive (IRECV_ACT, IRECV_GRAD: DualPipeV's overlapped pairs) is launched where the list
 has it and waited just before the F (B) that needs it, so whatever runs in between computes while
 the message is in flight; the wait is recorded in the timeline as WAIT_ACT / WAIT_GRAD.
+
+An overlapped pair (``schedule.pairs``) whose two chunks hold layers with collectives to hide (MoE
+layers over ep > 1: `collectives_in_flight`) runs its F and B together at the F's place, as two
+halves of an `Interleave`: each layer's all-to-all, forward or backward, hands over to the other half
+while in flight. Both spans go to the timeline (they overlap in time).
 """
 
 from __future__ import annotations
@@ -159,7 +164,7 @@ def run_schedule(stage: nn.Module, schedule: Schedule, mesh: Mesh, inputs: list[
         elif timeline is not None:
             timeline.append((str(a), t0, time.perf_counter()))
 
-    def forward(a: Action, t0: float, ev0) -> None:
+    def forward(a: Action, t0: float, ev0, timed: bool = True) -> None:
         nonlocal live, peak_live
         key, k = (a.microbatch, a.chunk), piece(a)
         if ("pp_act",) + key in posted:
@@ -171,9 +176,10 @@ def run_schedule(stage: nn.Module, schedule: Schedule, mesh: Mesh, inputs: list[
         outputs[key] = out
         live += 1
         peak_live = max(peak_live, live)
-        record(a, t0, ev0)
+        if timed:
+            record(a, t0, ev0)
 
-    def backward(a: Action, t0: float, ev0) -> None:
+    def backward(a: Action, t0: float, ev0, timed: bool = True) -> None:
         nonlocal live
         key = (a.microbatch, a.chunk)
         if ("pp_grad",) + key in posted:
@@ -184,35 +190,46 @@ def run_schedule(stage: nn.Module, schedule: Schedule, mesh: Mesh, inputs: list[
         else:
             out.backward(grad)
             live -= 1
-        record(a, t0, ev0)
+        if timed:
+            record(a, t0, ev0)
 
-    def weight(a: Action, t0: float, ev0) -> None:
+    def weight(a: Action, t0: float, ev0, timed: bool = True) -> None:
         nonlocal live
         weight_grads.pop((a.microbatch, a.chunk)).run()
         live -= 1
-        record(a, t0, ev0)
+        if timed:
+            record(a, t0, ev0)
 
     def pair(f: Action, b: Action, t0: float, ev0) -> None:
         """F ``f`` and B ``b`` as one overlapped pair (`Interleave`): each hands over to the other while
-        one of its chunk's all-to-alls is in flight; F starts."""
-        both = Interleave()
+        one of its chunk's all-to-alls is in flight; F starts. The timeline gets the spans each half
+        actually ran (`Interleave.spans`), so that no time is counted twice."""
+        both = Interleave(clock=clock if timeline is not None else None)
+        both.label(0, str(f))
         for side, c in enumerate((f.chunk, b.chunk)):
             for hook in in_flight[c]:
                 hook.run = (lambda side=side: both.switch(side))
         def backward_half() -> None:
-            backward(b, *clock())
+            both.label(1, str(b))
+            backward(b, t0, ev0, timed=False)
             w = Action("W", b.microbatch, b.chunk)
             if split and weight_grads[(b.microbatch, b.chunk)].full is not None:
                 # B had nothing to do (the first piece: no input gradient), W is the whole backward: it
                 # runs here, in the half, where its all-to-alls have the forward to hide behind
-                weight(w, *clock())
+                both.label(1, str(w))
+                weight(w, t0, ev0, timed=False)
                 ran.add(actions.index(w, at))
 
         try:
-            both.run(lambda: forward(f, t0, ev0), backward_half)
+            both.run(lambda: forward(f, t0, ev0, timed=False), backward_half)
         finally:
             for hook in in_flight[f.chunk] + in_flight[b.chunk]:
                 hook.run = None
+            for name, (s0, e0), (s1, e1) in both.spans:
+                if gpu_clock:
+                    spans.append((name, e0, e1))
+                elif timeline is not None:
+                    timeline.append((name, s0, s1))
 
     # Overlapped pairs (F position -> its B's) where the two chunks have all-to-alls to hide (MoE
     # layers over ep > 1); every other F and B runs alone, its collectives waited at once.
