@@ -221,16 +221,20 @@ def test_posted_input_receives_train_the_same(pools):
     _assert_equal_to_reference(results, _reference(cfg, list(data), 0.05))
 
 
-@pytest.mark.parametrize("world, sizes", [(2, dict(pp=2)), (4, dict(pp=2, dp=2, ep=2))], ids=["pp2", "pp2_dp2_ep2"])
-def test_moe_gpt_equals_single_process(pools, world, sizes):
+@pytest.mark.parametrize("world, sizes, moe_blocks", [(2, dict(pp=2), None), (4, dict(pp=2, dp=2, ep=2), None),
+                                                     (4, dict(pp=2, dp=2, ep=2), (1, 2, 3))],
+                         ids=["pp2", "pp2_dp2_ep2", "pp2_dp2_ep2_dense_first"])
+def test_moe_gpt_equals_single_process(pools, world, sizes, moe_blocks):
     """The MoE GPT (4 experts, top-2, capacity factor 1.0: tokens dropped; aux and z losses) at pp 2,
     alone and beside dp 2 with the experts over ep 2 (the dispatch/combine all-to-all exchanging
     tokens), four blocks (one per piece), m = 4: losses, clipped gradient norms and parameters after
     three AdamW steps equal the single-process MoE GPT routing each micro-batch of each dp rank as its
-    own group (as tests/test_moe.py compares its pp layouts; its eps, see there)."""
+    own group (as tests/test_moe.py compares its pp layouts; its eps, see there). Under ep the
+    overlapped pairs hide the all-to-all (tests/test_dualpipe_all_to_all.py); with the first block
+    dense, rank 0's chunk 0 has none, so its pairs hand over from one side only."""
     m, dp = 4, sizes.get("dp", 1)
     cfg = dict(vocab_size=16, block_size=6, n_layer=4, n_head=2, n_embd=8, n_experts=4, top_k=2,
-               capacity_factor=1.0, aux_loss_coef=0.1, z_loss_coef=0.01, seed=5)
+               capacity_factor=1.0, aux_loss_coef=0.1, z_loss_coef=0.01, seed=5, moe_blocks=moe_blocks)
     data = torch.randint(0, 16, (3, dp * 2 * m, 7), generator=torch.Generator().manual_seed(6))
     ref, ref_losses, ref_norms, _ = moe_gpt_reference(cfg, data, dp * m)
     results = pools.run(world, _train_gpt, sizes, cfg, data, m, dict(schedule="dualpipe_v"))

@@ -209,15 +209,16 @@ def run_schedule(stage: nn.Module, schedule: Schedule, mesh: Mesh, inputs: list[
         for side, c in enumerate((f.chunk, b.chunk)):
             for hook in in_flight[c]:
                 hook.run = (lambda side=side: both.switch(side))
+
         def backward_half() -> None:
             both.label(1, str(b))
-            backward(b, t0, ev0, timed=False)
+            backward(b, *clock(), timed=False)  # (the clock: where a posted receive's wait starts)
             w = Action("W", b.microbatch, b.chunk)
             if split and weight_grads[(b.microbatch, b.chunk)].full is not None:
                 # B had nothing to do (the first piece: no input gradient), W is the whole backward: it
                 # runs here, in the half, where its all-to-alls have the forward to hide behind
                 both.label(1, str(w))
-                weight(w, t0, ev0, timed=False)
+                weight(w, None, None, timed=False)
                 ran.add(actions.index(w, at))
 
         try:
@@ -231,11 +232,12 @@ def run_schedule(stage: nn.Module, schedule: Schedule, mesh: Mesh, inputs: list[
                 elif timeline is not None:
                     timeline.append((name, s0, s1))
 
-    # Overlapped pairs (F position -> its B's) where the two chunks have all-to-alls to hide (MoE
-    # layers over ep > 1); every other F and B runs alone, its collectives waited at once.
+    # Overlapped pairs (F position -> its B's) where a chunk has all-to-alls to hide (MoE layers over
+    # ep > 1; with one side's only, its first exchange hides behind the other's whole half); every
+    # other F and B runs alone, its collectives waited at once.
     in_flight = [collectives_in_flight(stage, c) for c in range(schedule.chunks)]
     paired = {f: b for f, b in getattr(schedule, "pairs", [{}] * p)[rank].items()
-              if in_flight[actions[f].chunk] and in_flight[actions[b].chunk]}
+              if in_flight[actions[f].chunk] or in_flight[actions[b].chunk]}
     ran = set(paired.values())  # B's (and W's) already run inside their pair
 
     try:
