@@ -26,7 +26,8 @@ far more than bf16 rounding.
 fp8 layouts (tensorwise FP8 linear layers over fp32 params, gathered in FP8 under ZeRO-3) are compared
 with the single-process model in FP8 (`apply_fp8`), whose layers quantise each rank's tokens apart as
 the ranks do (`_quantise_per_rank`), at fp32 tolerances; where a sum upstream of an FP8 cast is ordered
-otherwise (tp, cp, MoE) at `FP8_FLIPS`. fp32 params and not bf16: against bf16's tolerances FP8 itself
+otherwise (tp, cp, MoE) at `FP8_FLIPS`, an FP8 MoE layout's last step at `FP8_MOE_LAST` (its reference's
+own loss is not smooth at FP8_FLIPS' scale: expert choices and cast roundings flip). fp32 params and not bf16: against bf16's tolerances FP8 itself
 is invisible at these sizes (a reference without FP8 passes them), and the FP8 all-gather's equality
 in bf16 is test_fp8_all_gather's, bit for bit. DeepSeekMoE layouts move the expert bias after each
 step on both sides.
@@ -207,6 +208,17 @@ def _reorders_before_a_cast(c: dict) -> bool:
 # 4.7e-4 nats apart): losses within 1e-4 nats, clipped norms within 0.1%, parameters within 2 lr per step
 # (a gradient element whose sign flips moves AdamW's step by ~2 lr).
 FP8_FLIPS = (dict(rtol=0, atol=1e-4), dict(rtol=1e-3, atol=0), dict(rtol=0, atol=2 * LR * 3))
+# With MoE routing on top, a step is not smooth at that scale: the single-process FP8 reference of
+# w8-ddp-tp1-pp2-zb_v-deepseek_ep2-fp8-llama (and of its interleaved_1f1b twin: the same model and data),
+# its parameters after two steps moved at random by +-1e-4 (0.1 lr), gives a third loss 1.5e-4 to
+# 7.2e-4 away (5 to 20 times the first-order estimate: a token's expert choice and the casts' rounding
+# steps flip) and a third gradient norm up to 0.82% away, in six draws. The two-chunk schedules' runs of
+# that layout end with every parameter within 2.3e-4 of the reference and every expert bias equal, their
+# third loss 4.2e-4 / 5.7e-4 and norm up to 0.25% away. So an FP8 MoE layout's last step is held to
+# what its reference does under parameter changes within FP8_FLIPS: losses within 1e-3, norms within 1%.
+# Its first two steps keep FP8_FLIPS, which still see FP8 itself (no FP8 at all is 1.6e-3 nats and
+# 0.76% of the norm away at the second step), and its parameters keep FP8_FLIPS.
+FP8_MOE_LAST = (dict(rtol=0, atol=1e-3), dict(rtol=1e-2, atol=0))
 
 
 def _train(ctx, c, data, m):
@@ -303,8 +315,14 @@ def test_layout_equals_single_process(pools, c):
         tol, norm_tol = dict(rtol=2e-2, atol=1e-2), dict(rtol=5e-2, atol=0)
     for rank, (losses, norms, state) in enumerate(pools.run(c["world"], _train, c, data, m)):
         where = lambda s: f"rank {rank} of {_name(c)}: {s}"  # noqa: E731
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), msg=where, **tol)
-        torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), msg=where, **norm_tol)
+        last = len(losses) - 1 if c["precision"] == "fp8" and c["moe"] != "dense" else len(losses)
+        torch.testing.assert_close(torch.tensor(losses[:last]), torch.tensor(ref_losses[:last]), msg=where, **tol)
+        torch.testing.assert_close(torch.tensor(norms[:last]), torch.tensor(ref_norms[:last]), msg=where, **norm_tol)
+        if last < len(losses):  # an FP8 MoE layout's last step: FP8_MOE_LAST
+            torch.testing.assert_close(torch.tensor(losses[last:]), torch.tensor(ref_losses[last:]), msg=where,
+                                       **FP8_MOE_LAST[0])
+            torch.testing.assert_close(torch.tensor(norms[last:]), torch.tensor(ref_norms[last:]), msg=where,
+                                       **FP8_MOE_LAST[1])
         assert state.keys() == ref_state.keys(), where("state dict keys differ")
         if c["precision"] != "bf16":
             for k, v in ref_state.items():
