@@ -270,16 +270,23 @@ def _rank_event_logs(ctx, serialise: bool):
     return logs
 
 
-def gather_ring_violations(log: list, n: int) -> list[str]:
-    """All-gather-matmul: hop h brings the chunk of step h+1. Its send and receive are launched before
-    the matmul of step h, waited after it, and before the matmul of step h+1. n-1 hops, n matmuls."""
+def _hops(log: list, n: int, bad: list):
+    """(h, its launch positions, its wait positions, pos) for each of the n-1 hops that launched and waited a
+    send and a receive; a hop that did not is added to ``bad``. pos(kind, h): where events of hop h are."""
     pos = lambda kind, h: [i for i, e in enumerate(log) if e[0] == kind and e[1] == h]  # noqa: E731
-    bad = []
     for h in range(n - 1):
         launches, waits = pos("launch", h), pos("wait", h)
         if len(launches) != 2 or len(waits) != 2:
             bad.append(f"hop {h}: launched {len(launches)}, waited {len(waits)} (want a send and a receive)")
             continue
+        yield h, launches, waits, pos
+
+
+def gather_ring_violations(log: list, n: int) -> list[str]:
+    """All-gather-matmul: hop h brings the chunk of step h+1. Its send and receive are launched before
+    the matmul of step h, waited after it, and before the matmul of step h+1. n-1 hops, n matmuls."""
+    bad = []
+    for h, launches, waits, pos in _hops(log, n, bad):
         if max(launches) > min(pos("compute", h)):
             bad.append(f"hop {h}: launched after the matmul it should overlap")
         elif min(waits) < max(pos("compute", h)):
@@ -292,13 +299,8 @@ def gather_ring_violations(log: list, n: int) -> list[str]:
 def scatter_ring_violations(log: list, n: int) -> list[str]:
     """Matmul-reduce-scatter: hop h carries the running sum made at step h, so it is launched after the
     matmul of step h, and waited after the matmul of step h+1 (which it overlaps), before hop h+1."""
-    pos = lambda kind, h: [i for i, e in enumerate(log) if e[0] == kind and e[1] == h]  # noqa: E731
     bad = []
-    for h in range(n - 1):
-        launches, waits = pos("launch", h), pos("wait", h)
-        if len(launches) != 2 or len(waits) != 2:
-            bad.append(f"hop {h}: launched {len(launches)}, waited {len(waits)} (want a send and a receive)")
-            continue
+    for h, launches, waits, pos in _hops(log, n, bad):
         if min(launches) < max(pos("compute", h)):
             bad.append(f"hop {h}: launched before its sum was made")
         if min(waits) < max(pos("compute", h + 1)):
