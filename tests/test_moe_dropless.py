@@ -23,12 +23,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minipar import Mesh, ShardedModule
+from minipar import Mesh
 from minipar.moe.layer import MoELayer
-from minipar.models import MoEGPT, MoEGPTConfig, gpt_loss
 
-from helpers import LR, WD
-from test_moe import EPS, _train_gpt
+from test_moe import _train_gpt, moe_gpt_reference
 
 D, HIDDEN, EXPERTS, TOP_K, TOKENS = 8, 16, 4, 2, 12
 
@@ -125,20 +123,7 @@ def test_dropless_moe_gpt_dp2_ep2_equals_single_process(pools):
     cfg = dict(vocab_size=16, block_size=6, n_layer=2, n_head=2, n_embd=8, n_experts=4, top_k=2,
                capacity_factor=None, aux_loss_coef=0.1, z_loss_coef=0.01, seed=3)
     data = torch.randint(0, 16, (3, dp * 2, 7), generator=torch.Generator().manual_seed(4))
-    ref = MoEGPT(MoEGPTConfig(**cfg, route_groups=dp))
-    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD, eps=EPS)
-    ref_losses, ref_norms = [], []
-    for s in range(3):
-        x = data[s]
-        logits = ref(x[:, :-1])
-        assert ref.moe_stats()["dropped"] == 0
-        lm = torch.stack([gpt_loss(lg, y) for lg, y in zip(logits.chunk(dp), x[:, 1:].chunk(dp))]).mean()
-        lm.backward()
-        ref_norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05).item())
-        opt.step()
-        opt.zero_grad()
-        ref_losses.append(lm.item())
-    assert min(ref_norms) > 0.05
+    ref, ref_losses, ref_norms, _ = moe_gpt_reference(cfg, data, dp)  # (asserts that nothing was dropped)
     for rank, (losses, norms, state, stats) in enumerate(pools.run(2, _train_gpt, dict(dp=2, ep=2), cfg, data, 1, {})):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), msg=lambda s: f"rank {rank}: {s}")
         torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), msg=lambda s: f"rank {rank}: {s}")
