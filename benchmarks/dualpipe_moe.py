@@ -14,7 +14,6 @@ pairs change the order of work, not its arithmetic).
 
 from __future__ import annotations
 
-import re
 import statistics
 import time
 
@@ -24,10 +23,10 @@ import harness
 from minipar import ShardedModule
 from minipar.models import MoEGPT, MoEGPTConfig
 from minipar.pipeline.dualpipe import without_overlap
+from minipar.pipeline.timeline import is_compute
 from minipar.plan.overlap import dualpipe_v_times
 
 TAGS = ("moe_dispatch", "moe_combine", "moe_counts")
-COMPUTE = re.compile(r"[FBW]\d+(c\d)?")  # F, B, W spans of the timeline (not WAIT_*)
 
 
 class _Timed:
@@ -86,7 +85,7 @@ def main() -> int:
         loss = models[name].train_step(*batches[i], models[name].cross_entropy)
         opts[name].step()
         opts[name].zero_grad()
-        spans = sum(end - start for action, start, end in models[name].timeline if COMPUTE.fullmatch(action))
+        spans = sum(end - start for action, start, end in models[name].timeline if is_compute(action))
         figures[name]["blocked"].append(blocked[0])
         figures[name]["compute"].append(spans - blocked[0])
         return loss.item()

@@ -19,7 +19,6 @@ a pair has two all-to-alls), m = 4, under schedule="dualpipe_v":
 
 from __future__ import annotations
 
-import re
 import threading
 
 import torch
@@ -29,6 +28,7 @@ from minipar.core.interleave import Interleave
 from minipar.models import MoEGPT, MoEGPTConfig
 from minipar.pipeline import dualpipe_v
 from minipar.pipeline import executor as executor_module
+from minipar.pipeline.timeline import is_compute
 
 from helpers import LR, WD, LoggedWork
 
@@ -121,7 +121,7 @@ def test_each_all_to_all_of_a_pair_runs_during_the_other_halfs_compute(pools):
         # per step and pair: dispatch and combine in the forward half, their adjoints in the backward's
         assert launched == 2 * 4 * pairs and not bad, (rank, stage, pairs, launched, bad)
         # the timeline has the stretches each half ran: a pair's F and B each in several, none overlapping
-        computes = sorted((s, e) for name, s, e in timeline if re.fullmatch(r"[FBW]\d+(c\d)?", name))
+        computes = sorted((s, e) for name, s, e in timeline if is_compute(name))
         assert all(e0 <= s1 for (_, e0), (s1, _) in zip(computes, computes[1:])), (rank, timeline)
         names = [name for name, _, _ in timeline]
         for f, b in schedule.pairs[stage].items():

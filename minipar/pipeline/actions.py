@@ -124,4 +124,3 @@ class Layout:
         first, last = self.ends(rank, chunk)
         return ([] if last else [Action("RECV_GRAD", i, chunk)]) + [Action("B", i, chunk)] + \
             ([] if first else [Action("SEND_GRAD", i, chunk)])
-

@@ -117,9 +117,9 @@ class _Rank:
                 out += [Action("W", i, c)] if i < self.m else []
             else:
                 pair = self._pair(*step[1:])
-                if len(pair) > 1 and {"F", "B"} <= {a.kind for a in pair}:  # both halves are there
-                    self.pairs[len(out) + pair.index(next(a for a in pair if a.kind == "F"))] = \
-                        len(out) + pair.index(next(a for a in pair if a.kind == "B"))
+                kinds = [a.kind for a in pair]
+                if "F" in kinds and "B" in kinds:  # both halves are there (not a micro-batch >= m)
+                    self.pairs[len(out) + kinds.index("F")] = len(out) + kinds.index("B")
                 out += pair
         return out
 
@@ -147,7 +147,8 @@ class _Rank:
 
 def without_overlap(schedule: Schedule) -> Schedule:
     """The same lists with every posted receive made blocking (IRECV_* -> RECV_*) and no pair run
-    together (each half's all-to-alls waited at once): the synchronous version of an overlapped schedule, for measuring what the overlap hides. On paper (communication
-    free) no action of it starts sooner, some later (a forward waiting on a gradient it does not need)."""
+    together (each half's all-to-alls waited at once): the synchronous version of an overlapped
+    schedule, for measuring what the overlap hides. On paper (communication free) no action of it
+    starts sooner, some later (a forward waiting on a gradient it does not need)."""
     return Schedule([[Action(a.kind[1:], a.microbatch, a.chunk) if a.kind.startswith("IRECV_") else a for a in acts]
-                     for acts in schedule], chunks=schedule.chunks, placement=schedule.placement)  # and no pairs
+                     for acts in schedule], chunks=schedule.chunks, placement=schedule.placement)

@@ -17,10 +17,10 @@ A posted receive (IRECV_ACT, IRECV_GRAD: DualPipeV's overlapped pairs) is launch
 has it and waited just before the F (B) that needs it, so whatever runs in between computes while
 the message is in flight; the wait is recorded in the timeline as WAIT_ACT / WAIT_GRAD.
 
-An overlapped pair (``schedule.pairs``) whose two chunks hold layers with collectives to hide (MoE
+An overlapped pair (``schedule.pairs``) where a chunk holds layers with collectives to hide (MoE
 layers over ep > 1: `collectives_in_flight`) runs its F and B together at the F's place, as two
 halves of an `Interleave`: each layer's all-to-all, forward or backward, hands over to the other half
-while in flight. Both spans go to the timeline (they overlap in time).
+while in flight. The timeline gets the stretches each half ran, which never overlap.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..core.interleave import Interleave, WhileInFlight
 from ..core.mesh import AxisGroup, Mesh
 from .abort import PipelineAborted, read_marker, send_markers
-from ..core.interleave import Interleave, WhileInFlight
 from .actions import Action, Schedule, carries, holder, virtual_stage
 from .split_backward import WeightGrad, backward_input
 
@@ -236,7 +236,7 @@ def run_schedule(stage: nn.Module, schedule: Schedule, mesh: Mesh, inputs: list[
     # ep > 1; with one side's only, its first exchange hides behind the other's whole half); every
     # other F and B runs alone, its collectives waited at once.
     in_flight = [collectives_in_flight(stage, c) for c in range(schedule.chunks)]
-    paired = {f: b for f, b in getattr(schedule, "pairs", [{}] * p)[rank].items()
+    paired = {f: b for f, b in schedule.pairs[rank].items()
               if in_flight[actions[f].chunk] or in_flight[actions[b].chunk]}
     ran = set(paired.values())  # B's (and W's) already run inside their pair
 

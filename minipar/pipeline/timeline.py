@@ -84,7 +84,7 @@ def measured_bubble(rows: list[RankTimeline]) -> float:
     if not events:
         raise ValueError("measured_bubble needs at least one recorded action; the rows are empty")
     window = max(e for _, _, e in events) - min(s for _, s, _ in events)
-    compute = sum(e - s for name, s, e in events if _is_compute(name))
+    compute = sum(e - s for name, s, e in events if is_compute(name))
     if window <= 0:
         raise ValueError(f"measured_bubble: the actions span {window} s; nothing to measure a bubble in")
     return float(1 - Fraction(compute) / (len(drawn) * Fraction(window)))
@@ -118,9 +118,9 @@ def chrome_trace(rows: list[RankTimeline]) -> dict:
             action = parse_action(name)
             if action is not None:
                 kind, microbatch, chunk = action
-                is_compute = kind in COMPUTE
-                event.update(cat=CATEGORY[kind] if is_compute else "comm",
-                             cname=CNAME[kind] if is_compute else COMM_CNAME,
+                computes = kind in COMPUTE
+                event.update(cat=CATEGORY[kind] if computes else "comm",
+                             cname=CNAME[kind] if computes else COMM_CNAME,
                              args={"microbatch": microbatch, "chunk": chunk, "kind": kind})
             events.append(event)
     return {"traceEvents": events, "displayTimeUnit": "ms"}
@@ -155,7 +155,7 @@ def draw_timeline(rows: list[RankTimeline], path: str, title: str | None = None,
                 boxes.setdefault((kind, chunk), []).append((r.stage, float(s - t0), float(e - s), microbatch))
     chunks = 1 + max((c for _, c in boxes), default=0)
     split = any(kind == "W" for kind, _ in boxes)
-    most_per_row = max(sum(1 for name, _, _ in r.events if _is_compute(name)) for r in drawn)
+    most_per_row = max(sum(1 for name, _, _ in r.events if is_compute(name)) for r in drawn)
 
     # Wider for more boxes, so 16+ micro-batches keep boxes a few points wide.
     fig, ax = plt.subplots(figsize=(min(24.0, max(10.0, 4 + 0.14 * most_per_row)), 1.5 + 0.6 * len(drawn)))
@@ -184,7 +184,8 @@ def draw_timeline(rows: list[RankTimeline], path: str, title: str | None = None,
     return path
 
 
-def _is_compute(name) -> bool:
+def is_compute(name) -> bool:
+    """Whether a timeline entry is a compute action (F, B or W), not a message or a wait."""
     action = parse_action(name)
     return action is not None and action[0] in COMPUTE
 
