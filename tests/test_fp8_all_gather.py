@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import math
 import os
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from minipar import Mesh, MixedPrecision, ShardedModule
+from minipar import Mesh, MixedPrecision, Offload, ShardedModule
 from minipar.fp8 import Float8Config, apply_fp8, check_fp8
 from minipar.fp8.gather import Fp8Gather, all_gather_bytes
 from minipar.fp8.quantize import dequantise, quantise, scale_from_amax
@@ -117,10 +118,16 @@ def _data(cfg: dict, rows: int) -> torch.Tensor:
                          generator=torch.Generator().manual_seed(7))
 
 
-def _train(ctx, cfg, scaling, sizes, all_gather, param_dtype, data):
+def _train(ctx, cfg, scaling, sizes, all_gather, param_dtype, data, nvme=None):
+    """Three clipped steps; with ``nvme`` (a folder) the masters and the parameter shards live on disk."""
     mesh = Mesh(**sizes)
     policy = MixedPrecision(param_dtype=param_dtype, fp8=Float8Config(scaling, all_gather=all_gather))
-    model = ShardedModule(GPT(GPTConfig(**cfg)), mesh=mesh, strategy="zero3", mixed_precision=policy)
+    offload = None
+    if nvme is not None:
+        # one folder for every rank (the options must agree); each rank names its own files there
+        offload = Offload(optimizer="nvme", params="nvme", path=Path(nvme), chunk_mb=1e-3)  # several chunks a group
+    model = ShardedModule(GPT(GPTConfig(**cfg)), mesh=mesh, strategy="zero3", mixed_precision=policy,
+                          offload=offload)
     opt = model.build_optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD, eps=EPS)
     with mesh.comm.counting() as stats:
         losses, norms = train_rows(model, opt, data, MAX_NORM)
@@ -214,6 +221,23 @@ def test_fp8_gather_in_fp32_params_equals_the_single_process_fp8_run(pools):
         torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), **TOLERANCE["norm"])
         for k, p in ref_params.items():
             torch.testing.assert_close(state[k], p, **TOLERANCE["param"], msg=lambda m: f"rank {rank} {k}: {m}")
+
+
+def test_fp8_gather_with_shards_and_masters_on_disk_changes_nothing(pools, tmp_path):
+    """dp=2, tensorwise, bf16 params, all_gather=True, with Offload(optimizer="nvme", params="nvme"):
+    the FP8 gather reads each shard as the disk brings it in, so the run is bit for bit the one without
+    offload (losses, clipped norms, parameters), and the FP8 weights still travel as bytes."""
+    cfg = _cfg("tensorwise", 1)
+    data = _data(cfg, 4)
+    plain = pools.run(2, _train, cfg, "tensorwise", dict(dp=2), True, torch.bfloat16, data)
+    disk = pools.run(2, _train, cfg, "tensorwise", dict(dp=2), True, torch.bfloat16, data, str(tmp_path))
+    assert any(tmp_path.rglob("*.shard")), "the parameter shards must live on disk"
+    for rank, (base, out) in enumerate(zip(plain, disk)):
+        assert out[0] == base[0] and out[1] == base[1], (rank, out[:2], base[:2])
+        assert max(out[1]) > MAX_NORM, "clipping must fire"
+        for k, v in base[2].items():
+            assert torch.equal(out[2][k], v), (rank, k)
+        assert out[3] == base[3] and {d for _, d in out[3]} == {torch.uint8, torch.bfloat16}
 
 
 def _zero1_refuses(ctx):
