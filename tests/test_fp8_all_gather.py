@@ -8,13 +8,16 @@ ZeRO-3 (dp=2; dp=2 x tp=2; HSDP) trains three AdamW steps (clipping fires) with 
 with all_gather=False (the first loss bit for bit, the rest to fp32's defaults: the gradient norm's
 partial sums follow the shards), and in fp32 params as the single-process FP8 run to test_fp8's
 tolerance. The bytes counted on the "param" tag are the formula's; the FP8 weights'
-share is half of bf16's. Bad combinations are ValueErrors that say the fix.
+share is half of bf16's; the planner's formulas (`minipar.plan.formulas`) give every rank's state
+and its "grad", "param" and "param_amax" calls exactly. With the shards and masters on disk the run
+is unchanged. Bad combinations are ValueErrors that say the fix.
 """
 
 from __future__ import annotations
 
 import math
 import os
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -26,6 +29,7 @@ from minipar.fp8 import Float8Config, apply_fp8, check_fp8
 from minipar.fp8.gather import Fp8Gather, all_gather_bytes
 from minipar.fp8.quantize import dequantise, quantise, scale_from_amax
 from minipar.models import GPT, GPTConfig
+from minipar.plan import formulas as F
 
 from helpers import EPS, LR, WD, train_rows
 
@@ -136,8 +140,26 @@ def _train(ctx, cfg, scaling, sizes, all_gather, param_dtype, data, nvme=None):
     units = [(u.is_root, [p.numel() for p in part.group.layout.params], part.fp8 is not None)
              for u in model.strategy.units for part in u.parts]
     state = {k: v.float().cpu() for k, v in model.full_state_dict().items()}
+    ps = F.ParamSet.of(model.module)
+    ps.tensors = [torch.empty(t.numel(), device="meta") for t in ps.tensors]  # sizes only, to send back
+    # what the planner's formulas need to say this rank's state and traffic (`_formulas_hold`)
+    formula = dict(memory=model.memory_stats(), ps=ps, dp=mesh.dp, shard=mesh.dp_shard,
+                   shard_rank=mesh.group(mesh.shard_axis).rank,
+                   calls=Counter((r.op, r.group, r.tag, r.bytes, r.wire_bytes) for r in stats.records
+                                 if r.tag in ("grad", "param", "param_amax")))
     mesh.destroy()
-    return losses, norms, state, gathers, amax_bytes, units
+    return losses, norms, state, gathers, amax_bytes, units, formula
+
+
+def _formulas_hold(out: dict, param_bytes: int) -> None:
+    """memory_stats() equals `formulas.state_bytes` and the counted "grad", "param" and "param_amax"
+    collectives of the three steps equal `formulas.dp_calls`, exactly: the planner's arithmetic knows
+    the FP8 weights' own flat group (its padding) and gather (one byte an element, the amaxes)."""
+    ps = out["ps"]
+    dp = F.DataParallelShape("zero3", out["dp"], out["shard"], param=param_bytes, rank=out["shard_rank"])
+    assert out["memory"] == F.state_bytes(ps, dp), (out["memory"], F.state_bytes(ps, dp))
+    want = Counter((c.op, c.axis, c.tag, c.bytes, c.wire) for c in F.dp_calls(ps, dp) * STEPS)
+    assert out["calls"] == want, (out["calls"], want)
 
 
 LAYOUTS = {"dp2": dict(dp=2), "dp2xtp2": dict(dp=2, tp=2), "hsdp": dict(dp=4, dp_shard=2)}
@@ -170,6 +192,8 @@ def test_zero3_trains_exactly_as_without_the_fp8_gather(pools, scaling, layout):
         dtypes = {d for _, d in fp8[3]}
         assert dtypes == {torch.uint8, torch.bfloat16}, dtypes
         assert fp8[4] > 0 and plain[4] == 0
+        assert fp8[6]["ps"].fp8 and not plain[6]["ps"].fp8
+        _formulas_hold(fp8[6], 2)
 
 
 def test_fp8_gather_bytes_equal_the_formula_and_halve_bf16(pools):
@@ -181,7 +205,7 @@ def test_fp8_gather_bytes_equal_the_formula_and_halve_bf16(pools):
     cfg, sizes = _cfg("tensorwise", 1), dict(dp=2)
     data = _data(cfg, 4)
     results = {g: pools.run(2, _train, cfg, "tensorwise", sizes, g, torch.bfloat16, data)[0] for g in (False, True)}
-    _, _, _, gathers, amax_bytes, parts = results[True]
+    _, _, _, gathers, amax_bytes, parts, _ = results[True]
     plain_gathers = results[False][3]
     pad = lambda n: math.ceil(n / 2) * 2  # noqa: E731
     want, want_amax, fp8_as_bf16 = [], 0, 0
@@ -214,7 +238,7 @@ def test_fp8_gather_in_fp32_params_equals_the_single_process_fp8_run(pools):
     cfg = _cfg("tensorwise", 1)
     data = _data(cfg, 4)
     ref_losses, ref_norms, ref_params = _reference(cfg, "tensorwise", data, chunks=2)
-    for rank, (losses, norms, state, gathers, _, _) in enumerate(
+    for rank, (losses, norms, state, gathers, *_) in enumerate(
             pools.run(2, _train, cfg, "tensorwise", dict(dp=2), True, torch.float32, data)):
         assert {d for _, d in gathers} == {torch.uint8, torch.float32}
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **TOLERANCE["loss"])

@@ -8,7 +8,9 @@ Parameters are described by `ParamSet`: tensors (real ones, or ``meta`` stand-in
 size for a model that does not fit anywhere), which are experts', and the ZeRO-3 units. The
 sharded strategies' flat groups are built by the very functions the strategies use
 (`minipar.data_parallel.buckets.bucket_params`, `minipar.data_parallel.flat.FlatLayout`, `minipar.core.units`), so padding (each group
-rounded up to a multiple of its shard count) comes out exactly.
+rounded up to a multiple of its shard count) comes out exactly. Weights that ZeRO-3 gathers in FP8
+(`Float8Config(all_gather=True)`) form a part of their own in each unit, gathered at one byte an
+element after their amaxes (`fp8_gather_calls`).
 
 Byte conventions are the collective layer's (`minipar.core.comm`): ``bytes`` is the full tensor a call
 is about (all-reduce: the tensor; reduce-scatter: the full input; all-gather: the full output;
@@ -31,6 +33,7 @@ to a multiple of N.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import NamedTuple, Sequence
 
@@ -43,6 +46,8 @@ from ..data_parallel.flat import FlatLayout
 from ..core.placement import placement_of
 from ..data_parallel.strategy import strategy_entry
 from ..core.units import assign_params, select_units
+from ..fp8.linear import FORMS
+from ..fp8.quantize import TILE
 
 ADAMW_STATE = 8   # bytes per element: exp_avg and exp_avg_sq in fp32
 STEP_BYTES = 4    # torch's AdamW keeps a 0-dim fp32 "step" tensor per parameter tensor it steps
@@ -76,42 +81,73 @@ def shards(strategy: str) -> frozenset:
 # -- what is sharded ----------------------------------------------------------------------------
 
 
+class Fp8Weight(NamedTuple):
+    """A weight ZeRO-3 gathers in FP8 (`Float8Config(all_gather=True)`, `minipar.fp8.gather`): its (N, K)
+    shape on this rank, its scale form ("tensor": one amax; "block": one per 128 x 128 block), and the size
+    of the tensor-parallel group its tensorwise amax is agreed over too (1: none)."""
+
+    shape: tuple[int, int]
+    form: str
+    tp: int = 1
+
+    @property
+    def n_amax(self) -> int:
+        n, k = self.shape
+        return 1 if self.form == "tensor" else math.ceil(n / TILE) * math.ceil(k / TILE)
+
+
 @dataclass
 class ParamSet:
     """One rank's trainable parameters as its data-parallel strategy sees them.
 
     tensors: in registration order (real parameters or ``meta`` tensors of their size, fp32);
     expert: per tensor, whether it is an expert's (sharded over edp rather than dp);
-    units: ZeRO-3's units, each a list of indices into ``tensors``, the root unit last.
+    units: ZeRO-3's units, each a list of indices into ``tensors``, the root unit last;
+    fp8: per tensor, its `Fp8Weight` when ZeRO-3 gathers it in FP8, else None (empty: none is).
     """
 
     tensors: list[torch.Tensor]
     expert: list[bool]
     units: list[list[int]] = field(default_factory=list)
     has_root: bool = True  # the last unit is the root (what no wrapped module owns), not a wrapped module
+    fp8: list[Fp8Weight | None] = field(default_factory=list)
 
     @classmethod
     def of(cls, module: nn.Module, wrap_policy=None) -> "ParamSet":
         """The parameters of ``module`` (after tensor/expert parallelism cut them), units as ZeRO-3 cuts
-        them under ``wrap_policy`` (`minipar.core.units.select_units`; None: each nn.ModuleList entry)."""
+        them under ``wrap_policy`` (`minipar.core.units.select_units`; None: each nn.ModuleList entry),
+        and the weights of FP8 layers whose recipe gathers in FP8 (`minipar.fp8.apply_fp8`)."""
         params = [p for _, p in module.named_parameters() if p.requires_grad]
         index = {id(p): i for i, p in enumerate(params)}
         units = [[index[id(p)] for p in ps] for ps in assign_params(module, select_units(module, wrap_policy))]
-        return cls(params, [placement_of(p).expert for p in params], [u for u in units if u], bool(units[-1]))
+        fp8: list[Fp8Weight | None] = [None] * len(params)
+        for m in module.modules():
+            config = getattr(m, "fp8_config", None)
+            if config is not None and config.all_gather and id(m.weight) in index:
+                form = FORMS[config.scaling][1]
+                group = getattr(m, "group", None)  # a tensor-parallel layer's: its tensorwise amax spans it
+                tp = group.size if group is not None and form == "tensor" else 1
+                fp8[index[id(m.weight)]] = Fp8Weight(tuple(m.weight.shape), form, tp)
+        return cls(params, [placement_of(p).expert for p in params], [u for u in units if u], bool(units[-1]),
+                   fp8 if any(fp8) else [])
 
     @classmethod
-    def of_sizes(cls, blocks: Sequence[Sequence[tuple[int, bool]]], root: Sequence[tuple[int, bool]],
-                 root_first: int = 0) -> "ParamSet":
-        """From sizes: ``blocks`` (one ZeRO-3 unit each, [(numel, expert)]), ``root`` (the rest); the first
-        ``root_first`` root tensors are registered before the blocks (embeddings), the others after."""
+    def of_sizes(cls, blocks: Sequence[Sequence[tuple]], root: Sequence[tuple[int, bool]],
+                 root_first: int = 0, fp8: tuple[str, int] | None = None) -> "ParamSet":
+        """From sizes: ``blocks`` (one ZeRO-3 unit each, [(numel, expert)] or [(numel, expert, (N, K))] for
+        a linear layer's weight), ``root`` (the rest); the first ``root_first`` root tensors are registered
+        before the blocks (embeddings), the others after. ``fp8`` (form, tp): the blocks' linear weights
+        are gathered in FP8 with that scale form, their tensorwise amax agreed over tp ranks."""
         order = list(root[:root_first]) + [t for b in blocks for t in b] + list(root[root_first:])
-        tensors = [torch.empty(n, device="meta") for n, _ in order]
+        tensors = [torch.empty(t[0], device="meta") for t in order]
         units, i = [], root_first
         for b in blocks:
             units.append(list(range(i, i + len(b))))
             i += len(b)
         units.append(list(range(root_first)) + list(range(i, len(order))))
-        return cls(tensors, [e for _, e in order], [u for u in units if u])
+        marks = [Fp8Weight(t[2], fp8[0], fp8[1] if fp8[0] == "tensor" else 1) if fp8 and len(t) > 2 else None
+                 for t in order]
+        return cls(tensors, [t[1] for t in order], [u for u in units if u], fp8=marks if any(marks) else [])
 
     @property
     def numel(self) -> int:
@@ -165,27 +201,41 @@ class DataParallelShape:
 
 
 class Group(NamedTuple):
-    """One flat group (a ZeRO-1/2 bucket, a ZeRO-3 unit's part, a DDP bucket) on its axis."""
+    """One flat group (a ZeRO-1/2 bucket, a ZeRO-3 unit's part, a DDP bucket) on its axis; ``fp8``: the
+    `Fp8Weight`s of a ZeRO-3 part gathered in FP8 (empty for any other group)."""
 
     layout: FlatLayout
     axis: str
+    fp8: tuple = ()
+
+
+def unit_parts(ps: ParamSet, unit: list[int]) -> list[tuple[list[int], bool]]:
+    """ZeRO-3's parts of one unit, as `Zero3` cuts them: per shard axis (dense, experts; in the order
+    first met) the weights gathered in FP8, then the rest, leaving out an empty one; [(indices, expert)]."""
+    out = []
+    for expert in dict.fromkeys(ps.expert[i] for i in unit):
+        on_axis = [i for i in unit if ps.expert[i] == expert]
+        fp8 = [i for i in on_axis if ps.fp8 and ps.fp8[i] is not None]
+        rest = [i for i in on_axis if i not in fp8]
+        out += [(part, expert) for part in (fp8, rest) if part]
+    return out
 
 
 def flat_groups(ps: ParamSet, dp: DataParallelShape) -> list[Group]:
     """The strategy's flat groups, built as the strategy builds them: DDP and ZeRO-1/2 bucket the
     parameters in backward order, dense ones first (over dp, or dp_shard), experts after (over edp);
-    ZeRO-3 makes one part per unit and axis."""
+    ZeRO-3 makes one part per unit and axis (two where some of them gather in FP8: `unit_parts`)."""
     axes = {False: (dp.shard_axis, dp.shards, dp.rank), True: ("edp", dp.edp, dp.edp_rank)}
     if not shards(dp.strategy):
         axes = {False: (dp.grad_axis, dp.dp, 0), True: ("edp", dp.edp, 0)}  # DDP shards nothing: numel only
 
     def group(indices: list[int], expert: bool) -> Group:
         axis, n, rank = axes[expert]
-        return Group(FlatLayout([], sum(ps.tensors[i].numel() for i in indices), n, rank), axis)
+        fp8 = tuple(ps.fp8[i] for i in indices if ps.fp8 and ps.fp8[i] is not None)
+        return Group(FlatLayout([], sum(ps.tensors[i].numel() for i in indices), n, rank), axis, fp8)
 
     if "params" in shards(dp.strategy):  # gathered per use, unit by unit
-        return [group([i for i in unit if ps.expert[i] == e], e)
-                for unit in ps.units for e in dict.fromkeys(ps.expert[i] for i in unit)]
+        return [group(indices, e) for unit in ps.units for indices, e in unit_parts(ps, unit)]
     cap = max(1, int(dp.bucket_cap_mb * 2**20))
     out = []
     for expert in (False, True):
@@ -275,9 +325,20 @@ def dp_repeats(ps: ParamSet, dp: DataParallelShape, pipeline: bool = False) -> l
             out.append((call("all_gather", g.axis, n, "param", g.layout.padded * dp.param), 1, 0))
     if per_use:  # zero3_gathers of one backward: per step under a pipeline, else per backward
         for g, gathers in zip(groups, zero3_gathers(ps, dp, 1, pipeline)):
-            gather = call("all_gather", g.axis, sizes[g.axis], "param", g.layout.padded * dp.param)
+            gather = fp8_gather_calls(g, sizes[g.axis]) if g.fp8 else \
+                call("all_gather", g.axis, sizes[g.axis], "param", g.layout.padded * dp.param)
             out.append((gather, gathers, 0) if pipeline else (gather, 0, gathers))
     return out
+
+
+def fp8_gather_calls(g: Group, n: int) -> list[Call]:
+    """One FP8 gather of a ZeRO-3 part (`minipar.fp8.gather.all_gather_bytes`): the amaxes of its scale
+    groups all-reduced over the shard axis ("param_amax", 4 bytes each), the tensorwise ones of
+    tensor-parallel weights again over tp, then the e4m3 bytes all-gathered, one byte per element."""
+    tp = [w for w in g.fp8 if w.tp > 1]
+    return (call("all_reduce", g.axis, n, "param_amax", 4 * sum(w.n_amax for w in g.fp8))
+            + (call("all_reduce", "tp", tp[0].tp, "param_amax", 4 * sum(w.n_amax for w in tp)) if tp else [])
+            + call("all_gather", g.axis, n, "param", g.layout.padded))
 
 
 def zero3_gathers(ps: ParamSet, dp: DataParallelShape, backwards: int = 1, pipeline: bool = False) -> list[int]:
@@ -288,7 +349,7 @@ def zero3_gathers(ps: ParamSet, dp: DataParallelShape, backwards: int = 1, pipel
     for u, unit in enumerate(ps.units):
         is_root = ps.has_root and u == len(ps.units) - 1
         gathers = 1 if pipeline else backwards * (1 if is_root or not dp.reshard_after_forward else 2)
-        out += [gathers] * len(dict.fromkeys(ps.expert[i] for i in unit))
+        out += [gathers] * len(unit_parts(ps, unit))
     return out
 
 
