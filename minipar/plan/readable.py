@@ -32,7 +32,10 @@ def count(value: float) -> str:
 def _scaled(value: float, units: tuple[tuple[str, float], ...], base: str) -> str:
     if value == 0 or not math.isfinite(value):
         return f"{value:g} {base}".rstrip()
-    name, factor = next(((n, f) for n, f in units if abs(value) >= f), units[-1])  # below the smallest: in it
+    i = next((i for i, (_, f) in enumerate(units) if abs(value) >= f), len(units) - 1)  # below the smallest: in it
+    if i > 0 and abs(float(f"{value / units[i][1]:.4g}")) >= 1000:
+        i -= 1  # 999.96 rounds to "1000" at four digits: that is 1 of the next unit
+    name, factor = units[i]
     number = value / factor
     # .4g writes 1234.5 as "1234" but 12345 as "1.234e+04": past 9999 (only in the largest unit) use digits
     return f"{number:.4g} {name}" if abs(number) < 1e4 else f"{number:.0f} {name}"
