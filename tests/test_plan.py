@@ -603,3 +603,81 @@ def test_dualpipe_v_beside_the_ranking_hides_bubble_and_all_to_all(capsys):
     main(["--model", "deepseek-v3-like", "--gpus", "256", "--explain", name])
     line = next(x for x in capsys.readouterr().out.splitlines() if "schedule='dualpipe_v'" in x)
     assert f"{d['pairs']} overlapped pairs" in line, line
+
+
+# -- FP8 (`plan(..., fp8=Float8Config(...))`) ----------------------------------------------------------
+
+def test_fp8_runs_the_blocks_linear_matmuls_at_the_fp8_peak_and_keeps_memory():
+    """llama3-8b, tp2 x dp4, ZeRO-1: under FP8 (no FP8 gather) the compute time is the bf16 one with the
+    blocks' linear matmuls (6 FLOPs per weight and token, 8 with recomputation) moved to the FP8 peak;
+    memory and traffic are unchanged (X and W are saved in their own dtype); a cluster whose FP8 peak
+    equals its bf16 peak computes in the same time as without FP8."""
+    from minipar.fp8 import Float8Config
+    from minipar.plan import MODELS, Layout, evaluate
+    from minipar.plan.presets import Cluster
+    model, cluster, batch = MODELS["llama3-8b"], Cluster("8 GPUs"), 64
+    for name in ("tp2.pp1.dp4.zero1.mbs1.norc", "tp2.pp1.dp4.zero1.mbs1.rc"):
+        lay = Layout.parse(name)
+        bf16 = evaluate(model, cluster, batch, lay)
+        fp8 = evaluate(model, cluster, batch, lay, Float8Config("tensorwise"))
+        mult = 8 if lay.recompute else 6
+        linear = mult * model.linear_params() * batch * model.seq / (8 * cluster.efficiency)
+        assert fp8["compute_s"] == pytest.approx(bf16["compute_s"] - linear / cluster.peak_flops
+                                                 + linear / cluster.fp8_flops, rel=1e-12)
+        attention = model.layers * model.seq * model.hidden  # per token, beside 6 N (`training_flops`)
+        assert fp8["fp8_flops_share"] == pytest.approx(model.linear_params() / (model.params(True) + attention))
+        assert bf16["fp8_flops_share"] == 0
+        assert fp8["memory"] == bf16["memory"] and fp8["comm"] == bf16["comm"]
+        same = evaluate(model, Cluster("8 GPUs", fp8_flops=cluster.peak_flops), batch, lay, Float8Config("tensorwise"))
+        assert same["compute_s"] == pytest.approx(bf16["compute_s"], rel=1e-12)
+
+
+def test_fp8_all_gather_moves_the_linear_weights_at_one_byte():
+    """llama3-8b on 8 GPUs, ZeRO-3 over dp8, one micro-batch: the data-parallel bytes of a step, counted
+    here from the model's sizes alone. Each block (gathered in forward and again in backward) splits into
+    its linear weights (one byte an element, padded to a multiple of 8, after 7 amaxes of 4 bytes) and its
+    norms (bf16); the root (embeddings, final norm, head) once in bf16; every part's gradient reduce-scattered
+    in bf16, padded per part."""
+    import math as m_
+    from minipar.fp8 import Float8Config
+    from minipar.plan import MODELS, Layout, evaluate
+    from minipar.plan.presets import Cluster
+    model, lay, n = MODELS["llama3-8b"], Layout.parse("tp1.pp1.dp8.zero3.mbs1.norc"), 8
+    h, kv, f, L = model.hidden, model.kv_heads * model.head_dim, model.ffn, model.layers
+    pad = lambda x: m_.ceil(x / n) * n  # noqa: E731
+    linear, norms, root = 2 * h * h + 2 * h * kv + 3 * h * f, 2 * h, 2 * model.vocab * h + h
+    plain = 2 * (2 * L * pad(linear + norms) + pad(root)) + 2 * (L * pad(linear + norms) + pad(root))
+    fp8 = (2 * L * (pad(linear) + 2 * pad(norms) + 4 * 7) + 2 * pad(root)
+           + 2 * (L * (pad(linear) + pad(norms)) + pad(root)))
+    r = {g: evaluate(model, Cluster("8 GPUs"), n, lay, Float8Config("tensorwise", all_gather=g) if g else None)
+         for g in (False, True)}
+    assert r[False]["comm"]["dp"]["bytes"] == plain
+    assert r[True]["comm"]["dp"]["bytes"] == fp8
+    blockwise = evaluate(model, Cluster("8 GPUs"), n, lay, Float8Config("blockwise", all_gather=True))
+    amax_blocks = (2 * (h // 128) ** 2 + 2 * (h // 128) * (kv // 128) + 3 * (h // 128) * (f // 128))
+    assert blockwise["comm"]["dp"]["bytes"] == fp8 + 2 * L * 4 * (amax_blocks - 7)
+
+
+def test_fp8_refusals_are_the_libraries(capsys):
+    """A layout whose tp shards are not multiples of the recipe's tile is refused as apply_fp8 refuses it
+    (gpt2's 768 over tp4: 192, not a multiple of 128); the FP8 all-gather only under a strategy that
+    gathers parameters (no zero1 layout is listed); --explain prints the FP8 compute; the CLI refuses
+    --fp8-all-gather without --fp8 and rowwise with it (exit 2)."""
+    from minipar.fp8 import Float8Config
+    from minipar.plan import MODELS, Layout, evaluate, plan
+    from minipar.plan.presets import Cluster
+    gpt2 = MODELS["gpt2-124m"]
+    r = evaluate(gpt2, Cluster("4 GPUs", gpus_per_node=4), 64, Layout.parse("tp4.pp1.dp1.zero3"),
+                 Float8Config("blockwise"))
+    assert "multiples of 128" in r["why"] and "192" in r["why"], r["why"]
+    assert not evaluate(gpt2, Cluster("4 GPUs", gpus_per_node=4), 64, Layout.parse("tp4.pp1.dp1.zero3"),
+                        Float8Config("tensorwise"))["why"]
+    listed = plan(gpt2, Cluster("2 GPUs", gpus_per_node=2), 64, fp8=Float8Config(all_gather=True))["layouts"]
+    assert listed and {x["strategy"] for x in listed} <= {"zero3", "hsdp"}, {x["strategy"] for x in listed}
+    status, out = _main(capsys, "--model", "gpt2-124m", "--gpus", "2", "--global-batch", "64", "--fp8", "tensorwise",
+                        "--explain", "tp1.pp1.dp2.zero3.mbs1.norc")
+    assert status == 0 and "at 1979 TFLOP/s (FP8 tensorwise)" in out, out
+    for args in (["--fp8-all-gather"], ["--fp8", "rowwise", "--fp8-all-gather"]):
+        with pytest.raises(SystemExit) as e:
+            _main(capsys, "--model", "gpt2-124m", "--gpus", "2", *args)
+        assert e.value.code == 2

@@ -16,6 +16,13 @@ each traffic figure being wire bytes over the bandwidth of its link class: a gro
 one node talks over NVLink, any other over the network. Equal step times (common: the backward hides
 every data-parallel strategy's traffic alike) are broken by the bytes moved per step, then by memory
 (`rank_key`). ``python -m minipar.plan`` prints it (docs/planner.md).
+
+With ``fp8`` (a `minipar.fp8.Float8Config`, as `MixedPrecision(fp8=...)` takes it) the blocks' linear
+matmuls count at the cluster's FP8 peak (the LM head, the router and attention's products at bf16's);
+memory is unchanged (minipar saves X and W in their own dtype and quantises inside each matmul); with
+``all_gather=True`` ZeRO-3 gathers those weights at one byte an element (`formulas.fp8_gather_calls`).
+A layout whose tensor-parallel shards are not multiples of the recipe's tile is refused, as
+`minipar.fp8.apply_fp8` refuses it.
 """
 
 from __future__ import annotations
@@ -29,6 +36,8 @@ from minipar.plan import compute as C, formulas as F
 from minipar.core.comm import wire_bytes
 
 from ..data_parallel.strategy import planned_strategies, strategy_entry
+from ..fp8.config import Float8Config
+from ..fp8.linear import FORMS
 from .overlap import dualpipe_v_times, exposed_comm_s
 from .presets import H100, MODELS, Cluster, ModelShape
 from .readable import size
@@ -92,7 +101,8 @@ class Layout:
         return cls(**fields)
 
 
-def validate(model: ModelShape, cluster: Cluster, global_batch: int, top: int | None = None) -> None:
+def validate(model: ModelShape, cluster: Cluster, global_batch: int, top: int | None = None,
+             fp8: Float8Config | None = None) -> None:
     """ValueError naming the first input that makes no sense: a size that is not a positive integer,
     a rate or memory that is not a positive finite number, an efficiency outside (0, 1], or options
     that contradict each other (heads that do not divide the width, expert options without experts).
@@ -121,7 +131,7 @@ def validate(model: ModelShape, cluster: Cluster, global_batch: int, top: int | 
                              "number of experts (--experts), or leave the expert options out")
     _positive_int("gpus_per_node", cluster.gpus_per_node)
     _positive_int("nodes", cluster.nodes)
-    for key in ("memory", "peak_flops", "intra_bw", "inter_bw", "efficiency"):
+    for key in ("memory", "peak_flops", "fp8_flops", "intra_bw", "inter_bw", "efficiency"):
         value = getattr(cluster, key)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
             raise ValueError(f"cluster {key}={value!r} must be a finite number > 0")
@@ -130,6 +140,8 @@ def validate(model: ModelShape, cluster: Cluster, global_batch: int, top: int | 
     _positive_int("global batch", global_batch)
     if top is not None:
         _positive_int("top", top)
+    if fp8 is not None and not isinstance(fp8, Float8Config):
+        raise ValueError(f"fp8={fp8!r} must be a minipar.fp8.Float8Config (as MixedPrecision(fp8=...) takes) or None")
 
 
 def _param_bytes(strategy: str) -> int:
@@ -159,19 +171,26 @@ def _dp(model: ModelShape, cluster: Cluster, lay: Layout) -> F.DataParallelShape
 
 
 @lru_cache(maxsize=1024)
-def _stage_params(model: ModelShape, tp: int, ep: int, pp: int, stage: int) -> F.ParamSet:
-    """One stage's tensors on a tp/ep rank: the same whatever the strategy, micro-batch or recomputation."""
-    return model.stage_params(tp, ep, pp, stage)
+def _stage_params(model: ModelShape, tp: int, ep: int, pp: int, stage: int, fp8_form: str | None = None) -> F.ParamSet:
+    """One stage's tensors on a tp/ep rank: the same whatever the strategy, micro-batch or recomputation
+    (``fp8_form``: the blocks' linear weights gathered in FP8 with that scale form)."""
+    return model.stage_params(tp, ep, pp, stage, fp8_form)
+
+
+def _fp8_form(fp8: Float8Config | None, dp: F.DataParallelShape) -> str | None:
+    """The scale form of the weights ZeRO-3 gathers in FP8 under ``fp8``, or None (no FP8 gather)."""
+    gathers = fp8 is not None and fp8.all_gather and "params" in F.shards(dp.strategy)
+    return FORMS[fp8.scaling][1] if gathers else None
 
 
 @lru_cache(maxsize=4096)
-def _stage_state(model: ModelShape, lay: Layout, dp: F.DataParallelShape, stage: int):
+def _stage_state(model: ModelShape, lay: Layout, dp: F.DataParallelShape, stage: int, fp8_form: str | None = None):
     """(state bytes, largest unit numel, dp traffic per step, dp traffic per backward) of one stage's
     rank: independent of recomputation and of the micro-batch size, so cached across them (the caller
     passes ``lay`` with micro_batch=1, recompute=False). The step's dp traffic over m micro-batches is
     per step + m x per backward: summing each repeated call once, never the whole list (for ZeRO-3
     over 1,024 micro-batches it holds ~10^5 calls)."""
-    ps = _stage_params(model, lay.tp, lay.ep, lay.pp, stage)
+    ps = _stage_params(model, lay.tp, lay.ep, lay.pp, stage, fp8_form)
     unit = max(sum(ps.tensors[i].numel() for i in u) for u in ps.units)
     per_step: list[F.Call] = []
     per_backward: list[F.Call] = []
@@ -196,14 +215,17 @@ def _link(axis: str, lay: Layout, cluster: Cluster) -> str:
     return "intra" if span <= cluster.gpus_per_node else "inter"
 
 
-def evaluate(model: ModelShape, cluster: Cluster, global_batch: int, lay: Layout) -> dict:
+def evaluate(model: ModelShape, cluster: Cluster, global_batch: int, lay: Layout,
+             fp8: Float8Config | None = None) -> dict:
     """Every prediction for one layout: memory per rank, traffic per axis and link, times. ``feasible``
-    False with ``why`` when it cannot run or does not fit. ValueError for nonsense inputs (`validate`)."""
-    validate(model, cluster, global_batch)
-    return _predict(model, cluster, global_batch, lay, _refusal(model, cluster, global_batch, lay))
+    False with ``why`` when it cannot run or does not fit. ``fp8``: train the linear layers in FP8 (the
+    module docstring). ValueError for nonsense inputs (`validate`)."""
+    validate(model, cluster, global_batch, fp8=fp8)
+    return _predict(model, cluster, global_batch, lay, _refusal(model, cluster, global_batch, lay, fp8), fp8)
 
 
-def _predict(model: ModelShape, cluster: Cluster, global_batch: int, lay: Layout, why: str) -> dict:
+def _predict(model: ModelShape, cluster: Cluster, global_batch: int, lay: Layout, why: str,
+             fp8: Float8Config | None = None) -> dict:
     """`evaluate` once ``why`` (`_refusal`'s answer) is known."""
     gpus = lay.tp * lay.pp * lay.dp * lay.cp
     m = max(1, global_batch // (lay.dp * lay.micro_batch)) if not why else 1
@@ -218,7 +240,7 @@ def _predict(model: ModelShape, cluster: Cluster, global_batch: int, lay: Layout
     for stage in sorted({0, lay.pp - 1, min(1, lay.pp - 1)}):
         # micro-batch size and recomputation change neither the state nor the dp traffic (m carries the count)
         base = replace(lay, micro_batch=1, recompute=False)
-        state, unit, per_step, per_backward = _stage_state(model, base, dp, stage)
+        state, unit, per_step, per_backward = _stage_state(model, base, dp, stage, _fp8_form(fp8, dp))
         dp_traffic = _dp_traffic(per_step, per_backward, m)
         layers = model.stage_layers(lay.pp, stage)
         in_flight = min(lay.pp - stage, m)  # 1F1B: stage s holds p - s micro-batches at its peak
@@ -249,12 +271,13 @@ def _predict(model: ModelShape, cluster: Cluster, global_batch: int, lay: Layout
     for axis, row in traffic.items():
         row["link"] = _link(axis, lay, cluster)
     return dict(layout=lay.name, **asdict(lay), gpus=gpus, microbatches=m, feasible=not why, why=why,
-                **_times(model, cluster, global_batch, lay, m, traffic, worst["memory"]), memory=worst["memory"],
+                **_times(model, cluster, global_batch, lay, m, traffic, worst["memory"], fp8), memory=worst["memory"],
                 comm=traffic, comm_by_link=_by_link(traffic), wire_per_step=sum(_by_link(traffic).values()),
                 worst_stage=worst["stage"])
 
 
-def _refusal(model: ModelShape, cluster: Cluster, global_batch: int, lay: Layout) -> str:
+def _refusal(model: ModelShape, cluster: Cluster, global_batch: int, lay: Layout,
+             fp8: Float8Config | None = None) -> str:
     """Why ``lay`` cannot run ("" when it can)."""
     gpus = lay.tp * lay.pp * lay.dp * lay.cp
     if gpus != cluster.gpus:
@@ -269,6 +292,20 @@ def _refusal(model: ModelShape, cluster: Cluster, global_batch: int, lay: Layout
         return f"ep={lay.ep} must divide dp={lay.dp} and the {model.experts} experts"
     if model.seq % (2 * lay.cp * lay.tp):
         return f"sequence {model.seq} does not split into 2·cp·tp = {2 * lay.cp * lay.tp} chunks"
+    return _fp8_refusal(model, lay, fp8) if fp8 is not None else ""
+
+
+def _fp8_refusal(model: ModelShape, lay: Layout, fp8: Float8Config) -> str:
+    """What `minipar.fp8` would refuse: a linear weight's tp shard whose dims are not multiples of the
+    recipe's tile, or the FP8 all-gather under a strategy that gathers no parameters."""
+    strategy = _hsdp_strategy() if lay.strategy == "hsdp" else lay.strategy
+    if fp8.all_gather and "params" not in F.shards(strategy):
+        return f"Float8Config(all_gather=True) needs a strategy that gathers parameters (zero3, hsdp), not {lay.strategy}"
+    for moe in {False, model.experts > 0}:
+        for t in model.block_sizes(lay.tp, lay.ep, moe):
+            if len(t) > 2 and any(d % fp8.tile for d in t[2]):
+                return (f"FP8 ({fp8.scaling}) needs linear weights whose tp={lay.tp} shards are multiples of "
+                        f"{fp8.tile}: one is {t[2][0]} x {t[2][1]}")
     return ""
 
 
@@ -279,12 +316,15 @@ def _active_params(model: ModelShape) -> int:
 
 
 def _times(model: ModelShape, cluster: Cluster, global_batch: int, lay: Layout, m: int, traffic: dict,
-           mem: dict) -> dict:
+           mem: dict, fp8: Float8Config | None = None) -> dict:
     gpus = lay.tp * lay.pp * lay.dp * lay.cp
     tokens = global_batch * model.seq
     active = _active_params(model)
     flops = C.training_flops(active, tokens, model.layers, model.seq, model.hidden, lay.recompute)
-    compute = flops / (gpus * cluster.peak_flops * cluster.efficiency)
+    # under FP8 the blocks' linear matmuls (6 or 8 FLOPs per weight and token) run at the FP8 peak
+    fp8_flops = C.training_flops(model.linear_params(), tokens, 0, model.seq, model.hidden, lay.recompute) \
+        if fp8 is not None else 0
+    compute = ((flops - fp8_flops) / cluster.peak_flops + fp8_flops / cluster.fp8_flops) / (gpus * cluster.efficiency)
     bubble = compute * (lay.pp - 1) / m
     seconds = {axis: row["wire"] / (cluster.intra_bw if row["link"] == "intra" else cluster.inter_bw)
                for axis, row in traffic.items()}
@@ -299,7 +339,7 @@ def _times(model: ModelShape, cluster: Cluster, global_batch: int, lay: Layout, 
     # matmul: the linear layers' compute, (tp - 1)/tp of it split over the hops (`minipar.plan.overlap`).
     # Reported beside the ranking, not in it: minipar overlaps fc, lm_head and the row-parallel layers,
     # not q/k/v's shared gather, so this is the bound collective matmul approaches.
-    linear = compute * (1 - attention_share)
+    linear = compute - flops * attention_share / (gpus * cluster.peak_flops * cluster.efficiency)  # all but attention
     tp_async = exposed_comm_s(lay.tp, exposed["tp"] / max(lay.tp - 1, 1), linear / lay.tp) if lay.tp > 1 else 0.0
     # Under schedule="dualpipe_v" (two chunks per rank: 2·pp layers at least) the ramp is ZB-V's and the
     # overlapped pairs hide the ep all-to-all behind the other half's compute (`minipar.plan.overlap`).
@@ -308,7 +348,8 @@ def _times(model: ModelShape, cluster: Cluster, global_batch: int, lay: Layout, 
     if lay.pp > 1 and model.layers >= 2 * lay.pp:
         dualpipe = dualpipe_v_times(lay.pp, m, compute, exposed["ep"])
         dualpipe["step_s"] = step - bubble - exposed["ep"] + dualpipe["bubble_s"] + dualpipe["exposed_ep_s"]
-    return dict(step_s=step, compute_s=compute, bubble_s=bubble, bubble=C.bubble_fraction(lay.pp, m),
+    return dict(step_s=step, compute_s=compute, fp8_flops_share=fp8_flops / flops, bubble_s=bubble,
+                bubble=C.bubble_fraction(lay.pp, m),
                 exposed_s=exposed, exposed_tp_async_s=tp_async, dualpipe_v=dualpipe, comm_s=seconds,
                 tokens_per_s=tokens / step,
                 mfu=6 * active * tokens / step / (gpus * cluster.peak_flops), fits=fits)
@@ -325,7 +366,7 @@ def _powers(limit: int) -> list[int]:
     return [2**i for i in range(int(math.log2(max(1, limit))) + 1)]
 
 
-def layouts(model: ModelShape, cluster: Cluster, global_batch: int) -> list[Layout]:
+def layouts(model: ModelShape, cluster: Cluster, global_batch: int, fp8: Float8Config | None = None) -> list[Layout]:
     """Every layout worth predicting: powers of two per axis, tp within a node, cp up to sequence / 4096
     (so only for sequences of 8k tokens and more), ep only for MoE models."""
     out = []
@@ -341,7 +382,7 @@ def layouts(model: ModelShape, cluster: Cluster, global_batch: int) -> list[Layo
                         for mbs in (1, 2, 4):
                             for rc in (False, True):
                                 lay = Layout(tp, pp, dp, cp, ep, strategy, mbs, rc)
-                                if not _refusal(model, cluster, global_batch, lay):
+                                if not _refusal(model, cluster, global_batch, lay, fp8):
                                     out.append(lay)
     return out
 
@@ -355,26 +396,27 @@ def rank_key(result: dict) -> tuple:
 
 
 def plan(model: ModelShape | str, cluster: Cluster | None = None, global_batch: int = 1024,
-         top: int | None = None, progress: Callable[[int, int], None] | None = None) -> dict:
+         top: int | None = None, progress: Callable[[int, int], None] | None = None,
+         fp8: Float8Config | None = None) -> dict:
     """{"layouts": the feasible layouts, best first (`rank_key`; each `evaluate`'s dict), "model", "cluster",
-    "global_batch", "rejected": how many did not fit, "closest": the smallest infeasible one when none fits}.
-    ``progress(done, total)`` is called after each layout predicted (`minipar.plan.progress.Progress`).
-    ValueError for nonsense inputs (`validate`)."""
+    "global_batch", "fp8", "rejected": how many did not fit, "closest": the smallest infeasible one when none
+    fits}. ``progress(done, total)`` is called after each layout predicted (`minipar.plan.progress.Progress`);
+    ``fp8``: train the linear layers in FP8 (the module docstring). ValueError for nonsense inputs (`validate`)."""
     if isinstance(model, str) and model not in MODELS:
         raise ValueError(f"unknown model {model!r}; the presets are {', '.join(MODELS)}")
     model = MODELS[model] if isinstance(model, str) else model
     cluster = cluster or H100
-    validate(model, cluster, global_batch, top)
-    candidates = layouts(model, cluster, global_batch)
+    validate(model, cluster, global_batch, top, fp8)
+    candidates = layouts(model, cluster, global_batch, fp8)
     results = []
     for done, lay in enumerate(candidates, 1):
         # layouts() keeps only those _refusal lets through: predict them without asking it again
-        results.append(_predict(model, cluster, global_batch, lay, ""))
+        results.append(_predict(model, cluster, global_batch, lay, "", fp8))
         if progress is not None:
             progress(done, len(candidates))
     fits = sorted((r for r in results if r["fits"]), key=rank_key)
     out = dict(model=asdict(model), cluster=asdict(cluster), global_batch=global_batch,
-               layouts=fits[:top] if top else fits, rejected=len(results) - len(fits))
+               fp8=asdict(fp8) if fp8 is not None else None, layouts=fits[:top] if top else fits, rejected=len(results) - len(fits))
     if not fits:
         closest = min(results, key=lambda r: r["memory"]["total"], default=None)
         out["closest"] = closest

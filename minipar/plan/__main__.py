@@ -15,6 +15,7 @@ import sys
 from dataclasses import replace
 
 from . import MEMORY_HEADROOM, Layout, evaluate, plan, validate
+from ..fp8.config import SCALINGS, Float8Config
 from .presets import H100, MODELS, ModelShape
 from .progress import Progress
 from .report import explain, table
@@ -65,6 +66,7 @@ EXAMPLES = """examples:
   python -m minipar.plan --model llama3-70b --gpus 64 --global-batch 1024
   python -m minipar.plan --config config.json --gpus 16 --top 5 --json
   python -m minipar.plan --model gpt2-124m --gpus 2 --global-batch 64 --explain tp1.pp1.dp2.cp1.ep1.zero1.mbs1.norc
+  python -m minipar.plan --model llama3-70b --gpus 64 --fp8 tensorwise --fp8-all-gather
 docs/planner.md says what the figures mean and how the ranking is made."""
 
 
@@ -90,12 +92,21 @@ def parse(argv=None):
                               f"{MEMORY_HEADROOM:.0%}% of it (default: %(default)g)")
     cluster.add_argument("--peak-tflops", type=float, default=H100.peak_flops / 1e12, metavar="TFLOPS",
                          help="dense bf16 peak per GPU (default: %(default)g)")
+    cluster.add_argument("--fp8-peak-tflops", type=float, default=H100.fp8_flops / 1e12, metavar="TFLOPS",
+                         help="dense FP8 peak per GPU, for --fp8's matmuls (default: %(default)g)")
     cluster.add_argument("--intra-gbps", type=float, default=H100.intra_bw / 1e9, metavar="GB/s",
                          help="bandwidth per GPU per direction inside a node (default: %(default)g)")
     cluster.add_argument("--inter-gbps", type=float, default=H100.inter_bw / 1e9, metavar="GB/s",
                          help="bandwidth per GPU per direction across nodes (default: %(default)g)")
     cluster.add_argument("--efficiency", type=float, default=H100.efficiency, metavar="SHARE",
                          help="the share of peak a large matmul-bound step reaches, in (0, 1] (default: %(default)g)")
+    train = ap.add_argument_group("how it trains")
+    train.add_argument("--fp8", choices=SCALINGS, metavar="RECIPE",
+                       help=f"the blocks' linear layers in FP8 with this recipe ({', '.join(SCALINGS)}), as "
+                            "MixedPrecision(fp8=Float8Config(RECIPE)) (default: none, bf16)")
+    train.add_argument("--fp8-all-gather", action="store_true",
+                       help="with --fp8: ZeRO-3 gathers those weights in FP8, Float8Config(all_gather=True) "
+                            "(default: off)")
     run = ap.add_argument_group("the search and its output")
     run.add_argument("--global-batch", type=int, default=1024, metavar="N",
                      help="sequences per optimizer step (default: %(default)s)")
@@ -116,15 +127,15 @@ def main(argv=None) -> int:
     inputs that make no sense: every size and rate is validated before any arithmetic."""
     parser, args = parse(argv)
     try:
-        model, cluster = inputs(args)
+        model, cluster, fp8 = inputs(args)
         layout = Layout.parse(args.explain) if args.explain else None
     except ValueError as e:
         parser.error(str(e))  # exits 2
     if layout is not None:
-        print(explain(model, cluster, args.global_batch, layout))
-        return 1 if evaluate(model, cluster, args.global_batch, layout)["why"] else 0
+        print(explain(model, cluster, args.global_batch, layout, fp8))
+        return 1 if evaluate(model, cluster, args.global_batch, layout, fp8)["why"] else 0
     progress = Progress(f"{model.name} on {cluster.gpus} GPUs", after=args.progress_after)
-    result = plan(model, cluster, args.global_batch, top=args.top, progress=progress)
+    result = plan(model, cluster, args.global_batch, top=args.top, progress=progress, fp8=fp8)
     if args.json:
         print(json.dumps(result, indent=1))
     else:
@@ -133,7 +144,7 @@ def main(argv=None) -> int:
 
 
 def inputs(args):
-    """(model, cluster) from the arguments; ValueError for any that make no sense (`validate`)."""
+    """(model, cluster, fp8 config or None) from the arguments; ValueError for any that make no sense (`validate`)."""
     model = model_from(args)
     if args.explain and args.json:
         raise ValueError("--explain prints the arithmetic as text; leave out --json (or --explain)")
@@ -142,7 +153,7 @@ def inputs(args):
             raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be at least 1")
     if not args.progress_after >= 0:  # nan fails the comparison too
         raise ValueError(f"--progress-after {args.progress_after} must be seconds >= 0 (inf: never)")
-    for flag in ("memory_gb", "peak_tflops", "intra_gbps", "inter_gbps", "efficiency"):
+    for flag in ("memory_gb", "peak_tflops", "fp8_peak_tflops", "intra_gbps", "inter_gbps", "efficiency"):
         if not 0 < getattr(args, flag) < math.inf:
             raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be a finite number > 0")
     if args.gpus % args.gpus_per_node and args.gpus > args.gpus_per_node:
@@ -150,9 +161,13 @@ def inputs(args):
     per_node = min(args.gpus, args.gpus_per_node)
     cluster = replace(H100, name=f"{args.gpus} GPUs", gpus_per_node=per_node,
                       nodes=args.gpus // per_node, memory=args.memory_gb * 1e9, peak_flops=args.peak_tflops * 1e12,
+                      fp8_flops=args.fp8_peak_tflops * 1e12,
                       intra_bw=args.intra_gbps * 1e9, inter_bw=args.inter_gbps * 1e9, efficiency=args.efficiency)
-    validate(model, cluster, args.global_batch, args.top)
-    return model, cluster
+    if args.fp8_all_gather and not args.fp8:
+        raise ValueError("--fp8-all-gather gathers the FP8 weights of --fp8: give --fp8 RECIPE too")
+    fp8 = Float8Config(args.fp8, all_gather=args.fp8_all_gather) if args.fp8 else None  # its own refusals
+    validate(model, cluster, args.global_batch, args.top, fp8)
+    return model, cluster, fp8
 
 
 if __name__ == "__main__":

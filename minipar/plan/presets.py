@@ -39,21 +39,27 @@ class ModelShape:
     def moe_layers(self) -> int:
         return self.layers - self.dense_layers if self.experts else 0
 
-    def block_sizes(self, tp: int, ep: int, moe: bool) -> list[tuple[int, bool]]:
-        """One block's tensors on a rank: [(numel, expert)], in registration order."""
+    def block_sizes(self, tp: int, ep: int, moe: bool) -> list[tuple]:
+        """One block's tensors on a rank, in registration order: (numel, expert) for a norm or the router,
+        (numel, expert, (N, K)) for a linear layer's weight (what FP8 trains in FP8: `minipar.fp8`)."""
         h, hd, mats = self.hidden, self.head_dim, 3 if self.gated else 2
         kv_local = max(1, self.kv_heads // tp) * hd  # fewer kv heads than tp ranks: they are replicated
-        out = [(h, False), (h * self.heads * hd // tp, False), (h * kv_local, False), (h * kv_local, False),
-               (self.heads * hd * h // tp, False), (h, False)]
-        if not moe:
-            return out + [(h * self.ffn // tp, False)] * mats
-        out.append((self.experts * h, False))  # the router, replicated
-        out += [(h * self.moe_ffn // tp, True)] * (mats * (self.experts // ep))
-        return out + [(h * self.moe_ffn * self.shared_experts // tp, False)] * (mats if self.shared_experts else 0)
+        q = self.heads * hd // tp
 
-    def stage_params(self, tp: int, ep: int, pp: int, stage: int) -> ParamSet:
+        def linear(n: int, expert: bool = False) -> tuple:
+            return (n * h, expert, (n, h))
+
+        out = [(h, False), linear(q), linear(kv_local), linear(kv_local), linear(q), (h, False)]
+        if not moe:
+            return out + [linear(self.ffn // tp)] * mats
+        out.append((self.experts * h, False))  # the router, replicated (and never FP8)
+        out += [linear(self.moe_ffn // tp, True)] * (mats * (self.experts // ep))
+        return out + [linear(self.moe_ffn * self.shared_experts // tp)] * (mats if self.shared_experts else 0)
+
+    def stage_params(self, tp: int, ep: int, pp: int, stage: int, fp8_form: str | None = None) -> ParamSet:
         """Stage ``stage``'s tensors on one tensor-/expert-parallel rank (blocks split as evenly as they
-        go, the remainder to the first stages), one ZeRO-3 unit per block plus the root."""
+        go, the remainder to the first stages), one ZeRO-3 unit per block plus the root. ``fp8_form``
+        ("tensor" or "block"): the blocks' linear weights are gathered in FP8 (`Float8Config(all_gather=True)`)."""
         per, extra = divmod(self.layers, pp)
         first = stage * per + min(stage, extra)
         blocks = range(first, first + per + (stage < extra))
@@ -61,7 +67,8 @@ class ModelShape:
         root_after = [(self.hidden, False)] + ([(self.vocab * self.hidden // tp, False)]
                                                if not (self.tied and pp == 1) else []) if stage == pp - 1 else []
         return ParamSet.of_sizes([self.block_sizes(tp, ep, self.experts > 0 and i >= self.dense_layers)
-                                  for i in blocks], root_before + root_after, root_first=len(root_before))
+                                  for i in blocks], root_before + root_after, root_first=len(root_before),
+                                 fp8=(fp8_form, tp) if fp8_form else None)
 
     def stage_layers(self, pp: int, stage: int) -> int:
         per, extra = divmod(self.layers, pp)
@@ -69,12 +76,20 @@ class ModelShape:
 
     def params(self, active: bool = False) -> int:
         """Parameters of the whole model (``active``: those one token goes through)."""
-        total = sum(sum(n for n, _ in self.block_sizes(1, 1, self.experts > 0 and i >= self.dense_layers))
-                    for i in range(self.layers))
+        return self._count(active, linear_only=False)
+
+    def linear_params(self, active: bool = True) -> int:
+        """The blocks' linear weights (``active``: those one token goes through): the matmuls FP8 runs in
+        FP8; the LM head, the router and attention's own products stay in high precision."""
+        return self._count(active, linear_only=True)
+
+    def _count(self, active: bool, linear_only: bool) -> int:
+        total = sum(sum(t[0] for t in self.block_sizes(1, 1, self.experts > 0 and i >= self.dense_layers)
+                        if len(t) > 2 or not linear_only) for i in range(self.layers))
         if active and self.experts:
             per_expert = (3 if self.gated else 2) * self.hidden * self.moe_ffn
             total -= self.moe_layers * per_expert * (self.experts - self.top_k)
-        return total + self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
+        return total if linear_only else total + self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
 
 
 @dataclass(frozen=True)
@@ -84,6 +99,7 @@ class Cluster:
     nodes: int = 1
     memory: float = 80e9        # bytes per GPU
     peak_flops: float = 989e12  # dense bf16 per GPU
+    fp8_flops: float = 1979e12  # dense FP8 per GPU (the matmuls of `plan(..., fp8=...)`)
     intra_bw: float = 450e9     # bytes/s per GPU per direction inside a node (NVLink)
     inter_bw: float = 50e9      # bytes/s per GPU across nodes (400 Gb/s)
     efficiency: float = 0.5     # the share of peak a large matmul-bound step reaches

@@ -25,7 +25,9 @@ def table(result: dict) -> str:
     and optimizer state, and the activations) and the wire bytes per step inside a node and across."""
     m, c = result["model"], result["cluster"]
     lines = [f"{m['name']} on {c['gpus_per_node'] * c['nodes']} GPUs ({c['nodes']} node(s) of {c['gpus_per_node']}, "
-             f"{size(c['memory'])} each), global batch {result['global_batch']} x {m['seq']} tokens"]
+             f"{size(c['memory'])} each), global batch {result['global_batch']} x {m['seq']} tokens"
+             + (f"; FP8 {result['fp8']['scaling']}{', ZeRO-3 gathering in FP8' if result['fp8']['all_gather'] else ''} "
+                "(MFU against the bf16 peak)" if result.get("fp8") else "")]
     if not result["layouts"]:
         return "\n".join(lines + [result["why"]])
     lines.append(_row(name for name, _, _ in COLUMNS))
@@ -52,9 +54,10 @@ def _state_note(strategy: str, ranks: int) -> str:
     return f"[{strategy}: bf16 params/grads, fp32 master + 2 moments; {kept} sharded over {ranks} dp x cp ranks]"
 
 
-def explain(model: ModelShape, cluster: Cluster, global_batch: int, lay: Layout) -> str:
-    """The arithmetic behind one layout's figures, or why it is not a layout for this model and cluster."""
-    r = evaluate(model, cluster, global_batch, lay)
+def explain(model: ModelShape, cluster: Cluster, global_batch: int, lay: Layout, fp8=None) -> str:
+    """The arithmetic behind one layout's figures, or why it is not a layout for this model and cluster
+    (``fp8``: a `minipar.fp8.Float8Config`, as `minipar.plan.plan` takes it)."""
+    r = evaluate(model, cluster, global_batch, lay, fp8)
     if r["why"]:
         return f"{lay.name}: not a layout for {model.name} on {cluster.gpus} GPUs: {r['why']}"
     mem = r["memory"]
@@ -75,7 +78,13 @@ def explain(model: ModelShape, cluster: Cluster, global_batch: int, lay: Layout)
                      f"{row['link']}-node -> {seconds(r['comm_s'][axis])}")
     lines += [f"  in all {size(r['wire_per_step'])} on the wire per step (the tie-break between equal step times)",
               f"time: compute = 6·N·tokens (+ attention{', 8·N with recomputation' if lay.recompute else ''}) / "
-              f"(GPUs · {cluster.peak_flops / 1e12:.0f} TFLOP/s · {cluster.efficiency}) = {seconds(r['compute_s'])}",
+              f"(GPUs · {cluster.peak_flops / 1e12:.0f} TFLOP/s · {cluster.efficiency}) = {seconds(r['compute_s'])}"
+              if fp8 is None else
+              f"time: compute = the blocks' linear matmuls ({r['fp8_flops_share']:.1%} of 6·N·tokens + attention"
+              f"{', 8·N with recomputation' if lay.recompute else ''}) at {cluster.fp8_flops / 1e12:.0f} TFLOP/s "
+              f"(FP8 {fp8.scaling}), the rest at {cluster.peak_flops / 1e12:.0f}, over GPUs · {cluster.efficiency} "
+              f"= {seconds(r['compute_s'])}; casts not counted: a bound",
+              _fp8_gather_line(r["comm"]) if fp8 is not None and fp8.all_gather else "",
               f"      bubble = compute · (pp - 1) / m = {seconds(r['compute_s'])} · {lay.pp - 1} / {r['microbatches']} = "
               f"{seconds(r['bubble_s'])}  ((p-1)/(m+p-1) = {r['bubble']:.3f} of the step)",
               "      exposed communication: " + ", ".join(f"{k} {seconds(v)}" for k, v in r["exposed_s"].items()),
@@ -84,6 +93,11 @@ def explain(model: ModelShape, cluster: Cluster, global_batch: int, lay: Layout)
               _dualpipe_line(r["dualpipe_v"], seconds) if r.get("dualpipe_v") else "",
               f"      step = {seconds(r['step_s'])}; {r['tokens_per_s']:,.0f} tokens/s; MFU {r['mfu']:.3f}"]
     return "\n".join(line for line in lines if line)
+
+
+def _fp8_gather_line(comm: dict) -> str:
+    return ("      (Float8Config(all_gather=True): the blocks' linear weights gather as e4m3 bytes, one a weight, "
+            "after their amaxes (tag param_amax): minipar.plan.formulas.fp8_gather_calls)")
 
 
 def _dualpipe_line(d: dict, seconds) -> str:
