@@ -8,8 +8,8 @@ and its rotary positions are the tokens' true ones (`minipar.context_parallel.hf
 Proven here: Llama (eager and SDPA attention, tied and untied head), Qwen3 (per-head q/k norms:
 'partial_grad') and Olmo2 (gathered q/k/v, 'rowwise_scatter' output) wrapped with tp=2 and no plan,
 alone, composed with dp=2 (ZeRO-1, ZeRO-3) and with pp=2; Mixtral under the plan a refusal suggests
-(its fused experts whole); Llama under cp=2 (ring, Ulysses; with tp=2) and Qwen3 under cp=2 x dp=2
-(ZeRO-3): each trains equal to the same model trained in one process on the global batch: losses,
+(its fused experts whole); Llama under cp=2 (ring, Ulysses; with tp=2; with pp=2 under 1F1B and
+ZB-H1) and Qwen3 under cp=2 x dp=2 (ZeRO-3): each trains equal to the same model trained in one process on the global batch: losses,
 clipped gradient norms and every parameter after three AdamW steps (weight decay, clipping that
 fires), and a direct call afterwards gives the reference's logits. Tolerances: torch's fp32 defaults
 (rtol 1.3e-6, atol 1e-5): the split matmuls, the ring's log-sum-exp merge and the all-reduces only
@@ -24,7 +24,7 @@ minipar cannot reproduce exactly (Mixtral's packed experts), GPT-2 (no plan; its
 explicit plan), key/value heads tp does not split whole, sequence parallelism (their positions and
 masks come from the sequence a rank holds), an nn.Embedding subclass with its own forward (Gemma's
 scaled embedding) in a plan; under cp a sliding window (Mistral), an attention that is not plain
-causal attention (another scale), a model without such attention (GPT-2), pp.
+causal attention (another scale), a model without such attention (GPT-2).
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ EVAL = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed
 def _train(ctx, case: dict):
     mesh = Mesh(**case["mesh"])
     model = build(case["model"], case["tied"], case["attn"])
-    options = {"microbatches": 2} if mesh.pp > 1 else {}
+    options = {"microbatches": 2, "schedule": case.get("schedule", "1f1b")} if mesh.pp > 1 else {}
     if case.get("plan") == "translatable":  # the plan a refusal suggests: what minipar translates, the rest whole
         options["tp_plan"] = translate(model)[0]
     model = ShardedModule(model, mesh=mesh, strategy=case["strategy"], context_parallel=case.get("form"), **options)
@@ -120,6 +120,9 @@ CASES = [
     dict(model="llama", attn="sdpa", tied=False, mesh=dict(cp=2), strategy="ddp", form="ulysses"),
     dict(model="llama", attn="sdpa", tied=True, mesh=dict(tp=2, cp=2), strategy="zero1", form="ring"),
     dict(model="qwen3", attn="eager", tied=False, mesh=dict(cp=2, dp=2), strategy="zero3", form="ring"),
+    dict(model="llama", attn="eager", tied=True, mesh=dict(pp=2, cp=2), strategy="ddp", form="ring"),
+    dict(model="llama", attn="sdpa", tied=False, mesh=dict(pp=2, cp=2), strategy="zero1", form="ulysses",
+         schedule="zb_h1"),  # the backward split into B and W
 ]
 
 
@@ -205,7 +208,6 @@ TP, CP = dict(tp=2), dict(cp=2)
     ("mistral", {}, CP, {"build": {"sliding_window": 4}}, "attends over a sliding window of 4 tokens"),
     ("llama", {}, CP, {"scaling": 1.0}, "computes attention other than causal softmax(q k^T / sqrt(head_dim)) v"),
     ("gpt2", {}, CP, {}, "found no attention to split in GPT2LMHeadModel"),
-    ("llama", {"microbatches": 2}, dict(cp=2, pp=2), {}, "not supported under pipeline parallelism"),
 ], ids=lambda v: v if isinstance(v, str) and len(v) < 12 else None)
 def test_what_minipar_cannot_split_exactly_is_refused_before_any_collective(pools, kind, options, layout, tweak,
                                                                            message):

@@ -28,7 +28,8 @@ Hugging Face models (`minipar.context_parallel.hf_attention`): their attention m
 same ``context_attention`` slot through an attention function registered with transformers, and
 their rotary embedding's position ids are mapped to the true positions. Taken when their attention
 is plain causal attention (Llama, Mistral without a sliding window, Qwen, ...; proven on the model
-when it is wrapped), not under pipeline parallelism.
+when it is wrapped), under pipeline parallelism too: a stage computes the rotary embedding through
+the model's own module (`minipar.pipeline.spec`), whose hook maps every stage's position ids.
 
 Parameters are replicated over cp like over dp: the data-parallel strategies treat dp x cp as
 their data axis (ZeRO shards over it). Attention dropout is refused (the masks of a split
@@ -116,10 +117,6 @@ class ContextParallel:
         self.mesh, self.form = mesh, form or "ring"
         self.group, self.cp = mesh.group("cp"), mesh.cp
         self._hf = hf_attention_modules(module)
-        if self._hf and mesh.pp > 1:
-            raise ValueError(f"context parallelism (cp={mesh.cp}) of a Hugging Face model ({type(module).__name__}) "
-                             "is not supported under pipeline parallelism (its stages compute their own position "
-                             "ids); use pp=1 with cp, or cp=1 with pp")
         unwire = wire(module, mesh.cp) if self._hf else (lambda: None)
         self._hooks: list = []
         try:
