@@ -24,7 +24,7 @@ import harness
 import minipar
 from minipar import ShardedModule
 from minipar.context_parallel.context import attention_modules
-from minipar.plan.formulas import ring_bytes
+from minipar.plan.model_traffic import ring_bytes
 from minipar.models import GPT, gpt_loss
 from minipar.models.data import markov_batch
 from minipar.recompute import ActivationMemory

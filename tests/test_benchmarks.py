@@ -22,7 +22,7 @@ import sys
 import pytest
 import torch
 
-from minipar.plan.formulas import ring_bytes
+from minipar.plan.model_traffic import ring_bytes
 from minipar.models import GPT, GPTConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

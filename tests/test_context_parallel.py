@@ -17,9 +17,9 @@ import torch
 from hypothesis import example, given, strategies as st
 
 from minipar import Mesh, ShardedModule
-from minipar.plan import formulas
+from minipar.plan import model_traffic
 from minipar.models import GPT, GPTConfig, gpt_loss
-from minipar.plan.formulas import ring_bytes
+from minipar.plan.model_traffic import ring_bytes
 
 from helpers import EPS, LR, WD, reference_steps
 
@@ -135,7 +135,7 @@ def test_a_step_sends_what_the_theory_says(pools, form):
             assert all(r[0] in ("send", "recv") for r in cp_records), cp_records
         else:
             a2a = [r for r in cp_records if r[0] == "all_to_all"]
-            assert a2a == [(c.op, c.axis, c.tag, c.bytes) for c in formulas.ulysses_calls(layers, b, h, t, d, 2, 4)]
+            assert a2a == [(c.op, c.axis, c.tag, c.bytes) for c in model_traffic.ulysses_calls(layers, b, h, t, d, 2, 4)]
         others = {(r[0], r[1], r[2]) for r in records if r[1] != "cp"}
         assert others <= {("all_gather", "world", "batch_check"), ("all_reduce", "dp_cp", "loss"),
                           ("all_reduce", "dp_cp", "grad"), ("all_reduce", "dp_cp", "unused_map")}, others

@@ -24,7 +24,7 @@ import torch
 from hypothesis import example, given, strategies as st
 
 from minipar import Mesh, MixedPrecision, ShardedModule
-from minipar.plan import compute as C, formulas as F
+from minipar.plan import compute as C, formulas as F, model_traffic as T
 from minipar.models import GPT, GPTConfig, gpt_loss
 from minipar.recompute import ActivationMemory
 
@@ -144,12 +144,12 @@ def _predict(info, ps: F.ParamSet, dp: F.DataParallelShape, options, batch) -> l
     calls = F.dp_calls(ps, dp, pipeline=pp > 1)
     if tp > 1:
         sp = options.get("sequence_parallel", False)
-        calls += F.tp_calls(info["layers"], local_batch * t * c * 4, tp, sp, pos_grad_bytes=t * c * 4 if sp else 0)
+        calls += T.tp_calls(info["layers"], local_batch * t * c * 4, tp, sp, pos_grad_bytes=t * c * 4 if sp else 0)
     if pp > 1:
-        calls += F.pp_calls(info["pp_rank"], pp, m, local_batch // m * t * c * 4)
+        calls += T.pp_calls(info["pp_rank"], pp, m, local_batch // m * t * c * 4)
     if cp > 1:
         form = options.get("context_parallel", "ring")
-        fn = F.ring_calls if form == "ring" else F.ulysses_calls
+        fn = T.ring_calls if form == "ring" else T.ulysses_calls
         calls += fn(info["layers"], local_batch, h, t, c // h, cp, 4)
     return calls
 
@@ -212,7 +212,7 @@ def test_expert_parallel_state_and_traffic_equal_the_formulas(pools, world, stra
     batch = 2
     outs = pools.run(world, _moe_step, dict(ep=2), strategy, batch)
     tokens = batch * MOE_CFG["block_size"]
-    per_rank = F.ep_bytes(tokens, MOE_CFG["top_k"], MOE_CFG["n_embd"], torch.float32, MOE_CFG["n_layer"])
+    per_rank = T.ep_bytes(tokens, MOE_CFG["top_k"], MOE_CFG["n_embd"], torch.float32, MOE_CFG["n_layer"])
     assert sum(out["moe"] for out in outs) == world * per_rank, [out["moe"] for out in outs]
     for out in outs:
         ps = _paramset(out)

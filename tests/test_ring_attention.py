@@ -24,7 +24,7 @@ from torch.testing import assert_close
 
 import minipar.context_parallel.ring_attention as ra
 from minipar.core.comm import AxisGroup, Comm
-from minipar.plan.formulas import ring_bytes
+from minipar.plan.model_traffic import ring_bytes
 from minipar.core.mesh import Mesh
 from minipar.context_parallel.ring_attention import (block_attention, contiguous_positions, ring_attention, score_elements,
                                     ulysses_attention, zigzag_positions)

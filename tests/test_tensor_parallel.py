@@ -19,7 +19,7 @@ import torch.nn as nn
 from hypothesis import example, given, strategies as st
 
 from minipar import Mesh, ShardedModule
-from minipar.plan import formulas
+from minipar.plan import model_traffic
 from minipar.models import GPT, GPTConfig, gpt_loss
 from minipar.core.placement import placement_of
 from minipar.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, clip_grad_norm_,
@@ -166,9 +166,9 @@ def test_communication_per_layer_matches_theory(pools, sequence_parallel):
     b, t, c, layers = 3, 8, 8, 2
     act = b * t * c * 4  # bytes of one (batch, seq, hidden) fp32 activation
     fwd, bwd = pools.run(2, _volume, sequence_parallel)[0]
-    theory = [(x.op, x.bytes) for x in formulas.tp_calls(layers, act, 2, sequence_parallel,
+    theory = [(x.op, x.bytes) for x in model_traffic.tp_calls(layers, act, 2, sequence_parallel,
                                                           pos_grad_bytes=t * c * 4)]  # + wpe's gradient under sp
-    n_fwd = len(formulas.tp_calls(layers, act, 2, sequence_parallel, backward=False))
+    n_fwd = len(model_traffic.tp_calls(layers, act, 2, sequence_parallel, backward=False))
     assert fwd == theory[:n_fwd]  # the embedding's reduction, two per layer, (sp) the head's gather, in order
     if not sequence_parallel:
         assert bwd == [("all_reduce", act)] * (2 * layers + 1), bwd  # + the LM head's input gradient; nothing else

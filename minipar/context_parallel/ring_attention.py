@@ -32,7 +32,7 @@ block's P is that block's slice of the full softmax row)::
     dQ = scale · dS K,  dK = scale · dSᵀ Q.
 
 Scores, softmax and accumulators are fp32 whatever the input dtype; K/V and dK/dV travel in the input
-dtype (that is what `minipar.plan.formulas.ring_bytes` counts). Plain PyTorch: matmul, exp, logsumexp.
+dtype (that is what `minipar.plan.model_traffic.ring_bytes` counts). Plain PyTorch: matmul, exp, logsumexp.
 """
 
 from __future__ import annotations

@@ -32,73 +32,20 @@ from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from typing import Callable
 
-from minipar.plan import compute as C, formulas as F
+from minipar.plan import compute as C, formulas as F, model_traffic as T
 from minipar.core.comm import wire_bytes
 
 from ..data_parallel.strategy import planned_strategies, strategy_entry
 from ..fp8.config import Float8Config
 from ..fp8.linear import FORMS
+from .layout import Layout, hsdp_strategy, positive_int, strategies
 from .overlap import dualpipe_v_times, exposed_comm_s
 from .presets import H100, MODELS, Cluster, ModelShape
 from .readable import size
 
 
 
-def strategies() -> tuple[str, ...]:
-    """The data-parallel strategies the planner tries: every registered one that declared what it shards
-    (`minipar.data_parallel.strategy.register_strategy`), then "hsdp": the strategy that shards the
-    parameters too, sharded within a node and replicated across (a mesh, not a registered name)."""
-    return planned_strategies() + ("hsdp",)
-
-
-def _hsdp_strategy() -> str:
-    return next(s for s in planned_strategies() if "params" in F.shards(s))
-
 MEMORY_HEADROOM = 0.9  # allocator fragmentation and the framework's own buffers: plan for 90%
-
-
-@dataclass(frozen=True)
-class Layout:
-    tp: int
-    pp: int
-    dp: int
-    cp: int = 1
-    ep: int = 1
-    strategy: str = "zero1"
-    micro_batch: int = 1
-    recompute: bool = False
-
-    def __post_init__(self) -> None:
-        for key in ("tp", "pp", "dp", "cp", "ep", "micro_batch"):
-            _positive_int(f"layout {key}", getattr(self, key))
-        if self.strategy not in strategies():
-            raise ValueError(f"layout strategy {self.strategy!r}; choose one of {', '.join(strategies())}")
-
-    @property
-    def name(self) -> str:
-        return (f"tp{self.tp}.pp{self.pp}.dp{self.dp}.cp{self.cp}.ep{self.ep}.{self.strategy}."
-                f"mbs{self.micro_batch}.{'rc' if self.recompute else 'norc'}")
-
-    @classmethod
-    def parse(cls, name: str) -> "Layout":
-        """The inverse of ``name``: "tp8.pp16.dp8.cp1.ep1.zero1.mbs1.norc" (missing axes default to 1)."""
-        fields: dict = {}
-        for part in name.split("."):
-            for key in ("tp", "pp", "dp", "cp", "ep", "mbs"):
-                if part.startswith(key) and part[len(key):].isdigit():
-                    fields["micro_batch" if key == "mbs" else key] = int(part[len(key):])
-                    break
-            else:
-                if part in strategies():
-                    fields["strategy"] = part
-                elif part in ("rc", "norc"):
-                    fields["recompute"] = part == "rc"
-                else:
-                    raise ValueError(f"cannot read {part!r} in layout {name!r}; write e.g. "
-                                     "tp8.pp16.dp8.cp1.ep1.zero1.mbs1.norc")
-        if "tp" not in fields or "pp" not in fields or "dp" not in fields:
-            raise ValueError(f"layout {name!r} must give tp, pp and dp (e.g. tp8.pp16.dp8.zero1)")
-        return cls(**fields)
 
 
 def validate(model: ModelShape, cluster: Cluster, global_batch: int, top: int | None = None,
@@ -108,7 +55,7 @@ def validate(model: ModelShape, cluster: Cluster, global_batch: int, top: int | 
     that contradict each other (heads that do not divide the width, expert options without experts).
     Without it the arithmetic runs on anyway and prints negative or infinite step times."""
     for key in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq"):
-        _positive_int(f"model {key}", getattr(model, key))
+        positive_int(f"model {key}", getattr(model, key))
     for key in ("experts", "top_k", "moe_ffn", "shared_experts", "dense_layers"):
         if isinstance(getattr(model, key), bool) or not isinstance(getattr(model, key), int) or getattr(model, key) < 0:
             raise ValueError(f"model {key}={getattr(model, key)!r} must be an integer >= 0")
@@ -129,17 +76,17 @@ def validate(model: ModelShape, cluster: Cluster, global_batch: int, top: int | 
         if given:
             raise ValueError(f"{', '.join(given)} describe experts, but the model has experts=0; give the "
                              "number of experts (--experts), or leave the expert options out")
-    _positive_int("gpus_per_node", cluster.gpus_per_node)
-    _positive_int("nodes", cluster.nodes)
+    positive_int("gpus_per_node", cluster.gpus_per_node)
+    positive_int("nodes", cluster.nodes)
     for key in ("memory", "peak_flops", "fp8_flops", "intra_bw", "inter_bw", "efficiency"):
         value = getattr(cluster, key)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
             raise ValueError(f"cluster {key}={value!r} must be a finite number > 0")
     if cluster.efficiency > 1:
         raise ValueError(f"cluster efficiency={cluster.efficiency} is a share of peak: at most 1")
-    _positive_int("global batch", global_batch)
+    positive_int("global batch", global_batch)
     if top is not None:
-        _positive_int("top", top)
+        positive_int("top", top)
     if fp8 is not None and not isinstance(fp8, Float8Config):
         raise ValueError(f"fp8={fp8!r} must be a minipar.fp8.Float8Config (as MixedPrecision(fp8=...) takes) or None")
 
@@ -147,19 +94,14 @@ def validate(model: ModelShape, cluster: Cluster, global_batch: int, top: int | 
 def _param_bytes(strategy: str) -> int:
     """Compute bytes per element: 2 (bf16) for a strategy that takes mixed precision, else 4 (DDP's fp32)."""
     if strategy == "hsdp":
-        strategy = _hsdp_strategy()
+        strategy = hsdp_strategy()
     return 2 if "mixed_precision" in strategy_entry(strategy).options else 4
-
-
-def _positive_int(what: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{what}={value!r} must be a positive integer")
 
 
 def _dp(model: ModelShape, cluster: Cluster, lay: Layout) -> F.DataParallelShape:
     """The data-parallel strategy of ``lay``: one that takes no mixed precision (DDP) in fp32, the others
     (the ZeRO stages) in bf16 with fp32 masters; hsdp is zero3 sharded within a node, replicated across."""
-    strategy = _hsdp_strategy() if lay.strategy == "hsdp" else lay.strategy
+    strategy = hsdp_strategy() if lay.strategy == "hsdp" else lay.strategy
     grad_ranks = lay.dp * lay.cp
     shard = None
     if lay.strategy == "hsdp":
@@ -256,17 +198,17 @@ def _predict(model: ModelShape, cluster: Cluster, global_batch: int, lay: Layout
             worst = dict(stage=stage, memory=mem, dp_traffic=dp_traffic, layers=layers)
     traffic = worst["dp_traffic"]
     layers = worst["layers"]
-    tp_calls = F.tp_calls(layers, tokens * model.hidden * act_b, lay.tp, True)
+    tp_calls = T.tp_calls(layers, tokens * model.hidden * act_b, lay.tp, True)
     if lay.recompute:
-        tp_calls += F.tp_calls(layers, tokens * model.hidden * act_b, lay.tp, True, backward=False)
+        tp_calls += T.tp_calls(layers, tokens * model.hidden * act_b, lay.tp, True, backward=False)
     # each is issued once per micro-batch: summarize one micro-batch's calls, times m
-    for calls in (tp_calls, F.pp_calls(min(1, lay.pp - 1), lay.pp, 1, boundary),
-                  F.ring_calls(layers, lay.micro_batch, max(1, model.kv_heads // lay.tp), model.seq,
+    for calls in (tp_calls, T.pp_calls(min(1, lay.pp - 1), lay.pp, 1, boundary),
+                  T.ring_calls(layers, lay.micro_batch, max(1, model.kv_heads // lay.tp), model.seq,
                                model.head_dim, lay.cp, act_b)):
         traffic.update(F.summarize(calls, times=m))
     if lay.ep > 1:
         moe = sum(1 for i in range(model.layers) if i >= model.dense_layers) * layers // model.layers
-        sent = F.ep_bytes(tokens // lay.tp, model.top_k, model.hidden, act_b, moe) * m
+        sent = T.ep_bytes(tokens // lay.tp, model.top_k, model.hidden, act_b, moe) * m
         traffic["ep"] = {"bytes": sent, "wire": wire_bytes("all_to_all", lay.ep, sent)}
     for axis, row in traffic.items():
         row["link"] = _link(axis, lay, cluster)
@@ -298,7 +240,7 @@ def _refusal(model: ModelShape, cluster: Cluster, global_batch: int, lay: Layout
 def _fp8_refusal(model: ModelShape, lay: Layout, fp8: Float8Config) -> str:
     """What `minipar.fp8` would refuse: a linear weight's tp shard whose dims are not multiples of the
     recipe's tile, or the FP8 all-gather under a strategy that gathers no parameters."""
-    strategy = _hsdp_strategy() if lay.strategy == "hsdp" else lay.strategy
+    strategy = hsdp_strategy() if lay.strategy == "hsdp" else lay.strategy
     if fp8.all_gather and "params" not in F.shards(strategy):
         return f"Float8Config(all_gather=True) needs a strategy that gathers parameters (zero3, hsdp), not {lay.strategy}"
     for moe in {False, model.experts > 0}:
