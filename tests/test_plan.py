@@ -609,7 +609,7 @@ def test_dualpipe_v_beside_the_ranking_hides_bubble_and_all_to_all(capsys):
 
 def test_fp8_runs_the_blocks_linear_matmuls_at_the_fp8_peak_and_keeps_memory():
     """llama3-8b, tp2 x dp4, ZeRO-1: under FP8 (no FP8 gather) the compute time is the bf16 one with the
-    blocks' linear matmuls (6 FLOPs per weight and token, 8 with recomputation) moved to the FP8 peak;
+    blocks' nn.Linear matmuls (6 FLOPs per weight and token, 8 with recomputation) moved to the FP8 peak;
     memory and traffic are unchanged (X and W are saved in their own dtype); a cluster whose FP8 peak
     equals its bf16 peak computes in the same time as without FP8."""
     from minipar.fp8 import Float8Config
@@ -630,6 +630,11 @@ def test_fp8_runs_the_blocks_linear_matmuls_at_the_fp8_peak_and_keeps_memory():
         assert fp8["memory"] == bf16["memory"] and fp8["comm"] == bf16["comm"]
         same = evaluate(model, Cluster("8 GPUs", fp8_flops=cluster.peak_flops), batch, lay, Float8Config("tensorwise"))
         assert same["compute_s"] == pytest.approx(bf16["compute_s"], rel=1e-12)
+    # an MoE model: attention, the dense layers' MLPs and the shared experts are nn.Linear layers; the
+    # routed experts are minipar's grouped products, which apply_fp8 leaves in high precision
+    ds, h = MODELS["deepseek-v3-like"], MODELS["deepseek-v3-like"].hidden
+    assert ds.linear_params() == (ds.layers * 4 * h * h + ds.dense_layers * 3 * h * ds.ffn
+                                  + ds.moe_layers * 3 * h * ds.moe_ffn * ds.shared_experts)
 
 
 def test_fp8_all_gather_moves_the_linear_weights_at_one_byte():

@@ -40,8 +40,9 @@ class ModelShape:
         return self.layers - self.dense_layers if self.experts else 0
 
     def block_sizes(self, tp: int, ep: int, moe: bool) -> list[tuple]:
-        """One block's tensors on a rank, in registration order: (numel, expert) for a norm or the router,
-        (numel, expert, (N, K)) for a linear layer's weight (what FP8 trains in FP8: `minipar.fp8`)."""
+        """One block's tensors on a rank, in registration order: (numel, expert, (N, K)) for the weight of an
+        nn.Linear (what `minipar.fp8.apply_fp8` trains in FP8), (numel, expert) for the rest: norms, the
+        router, the routed experts (minipar's grouped products, which stay in high precision)."""
         h, hd, mats = self.hidden, self.head_dim, 3 if self.gated else 2
         kv_local = max(1, self.kv_heads // tp) * hd  # fewer kv heads than tp ranks: they are replicated
         q = self.heads * hd // tp
@@ -53,7 +54,7 @@ class ModelShape:
         if not moe:
             return out + [linear(self.ffn // tp)] * mats
         out.append((self.experts * h, False))  # the router, replicated (and never FP8)
-        out += [linear(self.moe_ffn // tp, True)] * (mats * (self.experts // ep))
+        out += [(h * self.moe_ffn // tp, True)] * (mats * (self.experts // ep))
         return out + [linear(self.moe_ffn * self.shared_experts // tp)] * (mats if self.shared_experts else 0)
 
     def stage_params(self, tp: int, ep: int, pp: int, stage: int, fp8_form: str | None = None) -> ParamSet:
@@ -79,14 +80,15 @@ class ModelShape:
         return self._count(active, linear_only=False)
 
     def linear_params(self, active: bool = True) -> int:
-        """The blocks' linear weights (``active``: those one token goes through): the matmuls FP8 runs in
-        FP8; the LM head, the router and attention's own products stay in high precision."""
+        """The weights of the blocks' nn.Linear layers (``active`` is accepted for symmetry: each token goes
+        through every one): the matmuls FP8 runs in FP8. The LM head, the router, the routed experts and
+        attention's own products stay in high precision."""
         return self._count(active, linear_only=True)
 
     def _count(self, active: bool, linear_only: bool) -> int:
         total = sum(sum(t[0] for t in self.block_sizes(1, 1, self.experts > 0 and i >= self.dense_layers)
                         if len(t) > 2 or not linear_only) for i in range(self.layers))
-        if active and self.experts:
+        if active and self.experts and not linear_only:  # (routed experts are not linear layers)
             per_expert = (3 if self.gated else 2) * self.hidden * self.moe_ffn
             total -= self.moe_layers * per_expert * (self.experts - self.top_k)
         return total if linear_only else total + self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
