@@ -99,18 +99,18 @@ def test_kernel_benchmark_without_a_gpu_says_so_and_its_smoke_run_covers_every_k
 
 def test_pp_vs_torch_runs_and_reports_ratios_and_agreeing_losses(tmp_path):
     """benchmarks/pp_vs_torch.py (pp=2, four layers: one block per piece under the two-chunk
-    schedules): for each of the five schedules the minipar/torch ratio is printed (and written to
-    --json alike), the first steps' losses of every variant are printed, and minipar's agree with
-    torch.distributed.pipelining's (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble) within the benchmark's tolerance (it
-    would exit 1 otherwise)."""
+    schedules; four micro-batches, as many as DualPipeV's pieces): for each of the six schedules the
+    minipar/torch ratio is printed (and written to --json alike), the first steps' losses of every
+    variant are printed, and minipar's agree with torch.distributed.pipelining's (ScheduleGPipe,
+    Schedule1F1B, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble,
+    ScheduleDualPipeV) within the benchmark's tolerance (it would exit 1 otherwise)."""
     args = {**TINY, "n_layer": 4}
     flags = [arg for k, v in args.items() for arg in (f"--{k.replace('_', '-')}", str(v))]
     result = tmp_path / "pp.json"
-    out = _torchrun("pp_vs_torch.py", *flags, "--batch", "2", "--microbatches", "2", "--steps", "2",
+    out = _torchrun("pp_vs_torch.py", *flags, "--batch", "4", "--microbatches", "4", "--steps", "2",
                     "--warmup", "1", "--json", str(result))
     figures = json.loads(result.read_text())
-    for schedule in ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_v"):
+    for schedule in ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_v", "dualpipe_v"):
         ratio = _number(rf"\| {schedule} \| [\d.]+ ms \| [\d.]+ ms \| ([\d.]+) \|", out)
         assert ratio > 0
         assert round(figures["ratio_minipar_over_torch"][schedule], 2) == ratio
