@@ -33,6 +33,7 @@ from minipar import ShardedModule
 from minipar.models import GPT, GPTConfig
 from minipar.models.data import markov_batch
 from minipar.core.syncs import count_host_syncs
+from minipar.plan.presets import H100, ModelShape
 
 import harness
 from gpt_tp_pp import model_flops, peak_flops
@@ -74,6 +75,15 @@ def config(args) -> GPTConfig:
     # fused_qkv: one projection for q, k and v, as nanoGPT and llm.c have it (every mode trains this model)
     return GPTConfig(vocab_size=p["vocab"], block_size=args.seq, n_layer=p["n_layer"], n_head=p["n_head"],
                      n_embd=p["n_embd"], fused_qkv=True, seed=0)
+
+
+def fp8_bound(cfg: GPTConfig, seq: int) -> float:
+    """The planner's FP8 speedup of this GPT's compute (`minipar.plan`, docs/planner.md "FP8"): its
+    nn.Linear matmuls at an H100's FP8 peak, the rest (attention, the head) at bf16's, casts not charged."""
+    shape = ModelShape("gpt", cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.n_head, 4 * cfg.n_embd, cfg.vocab_size, seq,
+                       tied=cfg.tie_weights, gated=False)
+    share = shape.linear_params() / (shape.params(True) + shape.layers * seq * shape.hidden)
+    return 1 / ((1 - share) + share * H100.peak_flops / H100.fp8_flops)
 
 
 class Runner:
@@ -237,8 +247,10 @@ def main(argv=None) -> int:
                  for m in ("minipar_fp8", "minipar"))
     if fp8 and bf16 and not args.profile:
         result["fp8_vs_bf16"] = fp8["tokens_per_s"] / bf16["tokens_per_s"]
+        result["fp8_planner_bound"] = fp8_bound(cfg, args.seq)
         print(f"minipar_fp8 ({args.fp8 or 'tensorwise'}) / minipar bf16 tokens/s: {result['fp8_vs_bf16']:.2f} "
-              f"(goal >= {FP8_GOAL} on an H100/H200{'; CPU: not a measurement' if not cuda else ''})")
+              f"(goal >= {FP8_GOAL} on an H100/H200; the planner's compute bound {result['fp8_planner_bound']:.2f}"
+              f"{'; CPU: not a measurement' if not cuda else ''})")
     if not args.profile:
         for r in rows:
             if r.get("would_wait"):

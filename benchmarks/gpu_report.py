@@ -132,7 +132,7 @@ def cpu_steps(out: pathlib.Path) -> list[Step]:
                ("-m", "triton", "tests/test_kernels_scale_cast.py"), 300, 10, {"TRITON_INTERPRET": "1"}),
         # interpreted: minipar's kernels take their GPU branch, so its host syncs are a GPU run's
         bench("GPT on one device (smoke, kernels interpreted)", "train", out, "gpt_1gpu.py", "gpt_1gpu.json",
-              ("--smoke",), 180, 20, env={"TRITON_INTERPRET": "1"}),
+              ("--smoke", "--modes", "minipar,torch,minipar_fp8"), 180, 20, env={"TRITON_INTERPRET": "1"}),
         bench("profile (smoke, kernels interpreted)", "train", out, "gpt_1gpu.py", "gpt_1gpu_profile.json",
               ("--smoke", "--profile", str(out / "profile")), 180, 20, env={"TRITON_INTERPRET": "1"}),
         main_job("main job, world 1, reference check", "train", 1, out, "main_world1", ("--tp", "1", "--pp", "1", *tiny),
@@ -218,7 +218,8 @@ def summary(row: dict) -> str:
         return "; ".join(f"{r['mode']} " + (f"failed ({r['error']})" if "error" in r else
                          f"{r['tokens_per_s']:,.0f} tok/s" + (f", MFU {r['mfu']:.1%}" if r.get("mfu") else "")
                          + f", {r['would_wait']} syncs/step") for r in fig["rows"]) + f"; flash: {fig.get('flash_attention')}" + (
-                             f"; fp8/bf16 {fig['fp8_vs_bf16']:.2f}" if "fp8_vs_bf16" in fig else "")
+                             f"; fp8/bf16 {fig['fp8_vs_bf16']:.2f} (the planner's bound {fig['fp8_planner_bound']:.2f})"
+                             if "fp8_vs_bf16" in fig else "")
     if "kernels" in fig:  # kernels.py
         met = sum(not k["goal_missed"] for k in fig["kernels"])
         return f"copy {fig['copy_gb_per_s']:,.0f} GB/s; goal met by {met} of {len(fig['kernels'])} kernels"

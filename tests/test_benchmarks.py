@@ -300,7 +300,9 @@ def test_gpu_report_without_a_gpu_says_so_and_its_smoke_path_runs_every_kind_of_
     assert kernel_tests["passed"] > 0 and kernel_tests["failed"] == 0 and kernel_tests["skipped"] == 0
     gpt = next(s for s in steps["train"] if "rows" in s.get("figures", {}))["figures"]
     modes = {r["mode"]: r for r in gpt["rows"]}
-    assert set(modes) == {"minipar", "torch"} and modes["minipar"]["would_wait"] == 0
+    assert set(modes) == {"minipar", "torch", "minipar_fp8"} and modes["minipar"]["would_wait"] == 0
+    assert gpt["fp8_vs_bf16"] > 0 and 1 < gpt["fp8_planner_bound"] < 2  # FP8's measured ratio beside the planner's
+    assert "the planner's bound" in (tmp_path / "gpu_report.md").read_text()
     assert abs(modes["minipar"]["first_loss"] - modes["torch"]["first_loss"]) < 0.05  # same model, bf16 both
     profiles = next(s for s in steps["train"] if "profiles" in s.get("figures", {}))["figures"]["profiles"]
     assert set(profiles) == {"minipar", "torch"}, profiles
