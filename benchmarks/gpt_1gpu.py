@@ -23,6 +23,7 @@ import statistics
 import sys
 import time
 import warnings
+from dataclasses import replace
 from unittest import mock
 
 import torch
@@ -33,6 +34,8 @@ from minipar import ShardedModule
 from minipar.models import GPT, GPTConfig
 from minipar.models.data import markov_batch
 from minipar.core.syncs import count_host_syncs
+from minipar.fp8 import Float8Config
+from minipar.plan import Layout, evaluate
 from minipar.plan.presets import H100, ModelShape
 
 import harness
@@ -78,12 +81,14 @@ def config(args) -> GPTConfig:
 
 
 def fp8_bound(cfg: GPTConfig, seq: int) -> float:
-    """The planner's FP8 speedup of this GPT's compute (`minipar.plan`, docs/planner.md "FP8"): its
-    nn.Linear matmuls at an H100's FP8 peak, the rest (attention, the head) at bf16's, casts not charged."""
+    """The planner's FP8 speedup of this GPT's compute on one H100 (`minipar.plan`, docs/planner.md "FP8"):
+    its bf16 compute time over its FP8 one, the nn.Linear matmuls at the FP8 peak, casts not charged."""
     shape = ModelShape("gpt", cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.n_head, 4 * cfg.n_embd, cfg.vocab_size, seq,
                        tied=cfg.tie_weights, gated=False)
-    share = shape.linear_params() / (shape.params(True) + shape.layers * seq * shape.hidden)
-    return 1 / ((1 - share) + share * H100.peak_flops / H100.fp8_flops)
+    one = replace(H100, name="1 GPU", gpus_per_node=1)
+    bf16, fp8 = (evaluate(shape, one, 1, Layout(1, 1, 1, strategy="zero1"), f)["compute_s"]
+                 for f in (None, Float8Config()))
+    return bf16 / fp8
 
 
 class Runner:
@@ -101,8 +106,6 @@ class Runner:
         else:
             policy = harness.BF16
             if mode == "minipar_fp8":
-                from dataclasses import replace
-                from minipar.fp8 import Float8Config
                 policy = replace(policy, fp8=Float8Config(fp8 or "tensorwise"))
             self.model = ShardedModule(GPT(cfg), mesh=mesh, strategy="zero1", mixed_precision=policy)
             if mode == "minipar_compile":

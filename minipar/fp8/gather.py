@@ -45,6 +45,12 @@ E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max
 
 
+def scale_groups(shape: tuple[int, int], form: str) -> tuple[int, ...]:
+    """The shape of a weight's per-group scales: () tensorwise, (ceil(N / 128), ceil(K / 128)) blockwise."""
+    n, k = shape
+    return () if form == "tensor" else (math.ceil(n / TILE), math.ceil(k / TILE))
+
+
 @dataclass(frozen=True)
 class GatheredWeight:
     """One FP8 weight (N, K) of the flat group: where it starts in the full flat buffer, its scale form
@@ -63,9 +69,7 @@ class GatheredWeight:
 
     @property
     def groups(self) -> tuple[int, ...]:
-        """The shape of its per-group scales: () tensorwise, (ceil(N / 128), ceil(K / 128)) blockwise."""
-        n, k = self.shape
-        return () if self.form == "tensor" else (math.ceil(n / TILE), math.ceil(k / TILE))
+        return scale_groups(self.shape, self.form)
 
     @property
     def n_groups(self) -> int:

@@ -38,7 +38,7 @@ from minipar.core.comm import wire_bytes
 from ..data_parallel.strategy import planned_strategies, strategy_entry
 from ..fp8.config import Float8Config
 from ..fp8.linear import FORMS
-from .layout import Layout, hsdp_strategy, positive_int, strategies
+from .layout import Layout, positive_int, registered, strategies
 from .overlap import dualpipe_v_times, exposed_comm_s
 from .presets import H100, MODELS, Cluster, ModelShape
 from .readable import size
@@ -93,15 +93,13 @@ def validate(model: ModelShape, cluster: Cluster, global_batch: int, top: int | 
 
 def _param_bytes(strategy: str) -> int:
     """Compute bytes per element: 2 (bf16) for a strategy that takes mixed precision, else 4 (DDP's fp32)."""
-    if strategy == "hsdp":
-        strategy = hsdp_strategy()
-    return 2 if "mixed_precision" in strategy_entry(strategy).options else 4
+    return 2 if "mixed_precision" in strategy_entry(registered(strategy)).options else 4
 
 
 def _dp(model: ModelShape, cluster: Cluster, lay: Layout) -> F.DataParallelShape:
     """The data-parallel strategy of ``lay``: one that takes no mixed precision (DDP) in fp32, the others
     (the ZeRO stages) in bf16 with fp32 masters; hsdp is zero3 sharded within a node, replicated across."""
-    strategy = hsdp_strategy() if lay.strategy == "hsdp" else lay.strategy
+    strategy = registered(lay.strategy)
     grad_ranks = lay.dp * lay.cp
     shard = None
     if lay.strategy == "hsdp":
@@ -240,8 +238,7 @@ def _refusal(model: ModelShape, cluster: Cluster, global_batch: int, lay: Layout
 def _fp8_refusal(model: ModelShape, lay: Layout, fp8: Float8Config) -> str:
     """What `minipar.fp8` would refuse: a linear weight's tp shard whose dims are not multiples of the
     recipe's tile, or the FP8 all-gather under a strategy that gathers no parameters."""
-    strategy = hsdp_strategy() if lay.strategy == "hsdp" else lay.strategy
-    if fp8.all_gather and "params" not in F.shards(strategy):
+    if fp8.all_gather and "params" not in F.shards(registered(lay.strategy)):
         return f"Float8Config(all_gather=True) needs a strategy that gathers parameters (zero3, hsdp), not {lay.strategy}"
     for moe in {False, model.experts > 0}:
         for t in model.block_sizes(lay.tp, lay.ep, moe):

@@ -50,7 +50,7 @@ from ..core.placement import placement_of
 from ..data_parallel.strategy import strategy_entry
 from ..core.units import assign_params, select_units
 from ..fp8.linear import FORMS
-from ..fp8.quantize import TILE
+from ..fp8.gather import all_gather_bytes, scale_groups
 
 ADAMW_STATE = 8   # bytes per element: exp_avg and exp_avg_sq in fp32
 STEP_BYTES = 4    # torch's AdamW keeps a 0-dim fp32 "step" tensor per parameter tensor it steps
@@ -95,8 +95,7 @@ class Fp8Weight(NamedTuple):
 
     @property
     def n_amax(self) -> int:
-        n, k = self.shape
-        return 1 if self.form == "tensor" else math.ceil(n / TILE) * math.ceil(k / TILE)
+        return math.prod(scale_groups(self.shape, self.form))
 
 
 @dataclass
@@ -335,13 +334,14 @@ def dp_repeats(ps: ParamSet, dp: DataParallelShape, pipeline: bool = False) -> l
 
 
 def fp8_gather_calls(g: Group, n: int) -> list[Call]:
-    """One FP8 gather of a ZeRO-3 part (`minipar.fp8.gather.all_gather_bytes`): the amaxes of its scale
-    groups all-reduced over the shard axis ("param_amax", 4 bytes each), the tensorwise ones of
+    """One FP8 gather of a ZeRO-3 part, its bytes `minipar.fp8.gather.all_gather_bytes`: the amaxes of
+    its scale groups all-reduced over the shard axis ("param_amax"), the tensorwise ones of
     tensor-parallel weights again over tp, then the e4m3 bytes all-gathered, one byte per element."""
     tp = [w for w in g.fp8 if w.tp > 1]
-    return (call("all_reduce", g.axis, n, "param_amax", 4 * sum(w.n_amax for w in g.fp8))
+    shard = all_gather_bytes(g.layout.numel, sum(w.n_amax for w in g.fp8), n)
+    return (call("all_reduce", g.axis, n, "param_amax", shard["param_amax"])
             + (call("all_reduce", "tp", tp[0].tp, "param_amax", 4 * sum(w.n_amax for w in tp)) if tp else [])
-            + call("all_gather", g.axis, n, "param", g.layout.padded))
+            + call("all_gather", g.axis, n, "param", shard["param"]))
 
 
 def zero3_gathers(ps: ParamSet, dp: DataParallelShape, backwards: int = 1, pipeline: bool = False) -> list[int]:

@@ -22,6 +22,11 @@ def hsdp_strategy() -> str:
     return next(s for s in planned_strategies() if "params" in F.shards(s))
 
 
+def registered(strategy: str) -> str:
+    """A layout's strategy as registered: "hsdp" read as `hsdp_strategy`, any other as it is."""
+    return hsdp_strategy() if strategy == "hsdp" else strategy
+
+
 @dataclass(frozen=True)
 class Layout:
     tp: int

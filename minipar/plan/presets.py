@@ -79,16 +79,16 @@ class ModelShape:
         """Parameters of the whole model (``active``: those one token goes through)."""
         return self._count(active, linear_only=False)
 
-    def linear_params(self, active: bool = True) -> int:
-        """The weights of the blocks' nn.Linear layers (``active`` is accepted for symmetry: each token goes
-        through every one): the matmuls FP8 runs in FP8. The LM head, the router, the routed experts and
-        attention's own products stay in high precision."""
-        return self._count(active, linear_only=True)
+    def linear_params(self) -> int:
+        """The weights of the blocks' nn.Linear layers (each token goes through every one): the matmuls FP8
+        runs in FP8. The LM head, the router, the routed experts and attention's own products stay in high
+        precision."""
+        return self._count(active=True, linear_only=True)
 
     def _count(self, active: bool, linear_only: bool) -> int:
         total = sum(sum(t[0] for t in self.block_sizes(1, 1, self.experts > 0 and i >= self.dense_layers)
                         if len(t) > 2 or not linear_only) for i in range(self.layers))
-        if active and self.experts and not linear_only:  # (routed experts are not linear layers)
+        if active and self.experts and not linear_only:  # (routed experts are no nn.Linear: not counted there)
             per_expert = (3 if self.gated else 2) * self.hidden * self.moe_ffn
             total -= self.moe_layers * per_expert * (self.experts - self.top_k)
         return total if linear_only else total + self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden

@@ -6,7 +6,8 @@ reads "48.3 ms" and a 250 MB gradient exchange "250 MB", whatever the model's sc
 
 from __future__ import annotations
 
-from . import MEMORY_HEADROOM, Layout, hsdp_strategy, evaluate
+from . import MEMORY_HEADROOM, Layout, evaluate
+from .layout import registered
 from . import formulas as F
 from .presets import Cluster, ModelShape
 from .readable import count, seconds, size
@@ -47,7 +48,7 @@ def table(result: dict) -> str:
 
 def _state_note(strategy: str, ranks: int) -> str:
     """What the state figures assume, read from what the strategy shards (its registration)."""
-    split = F.shards(hsdp_strategy() if strategy == "hsdp" else strategy)
+    split = F.shards(registered(strategy))
     if not split:
         return f"[{strategy}: fp32, 4 + 4 + 8 bytes/param, nothing sharded]"
     kept = ", ".join(sorted(split, key=("optimizer", "grads", "params").index))
